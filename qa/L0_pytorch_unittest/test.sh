@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The curated L0 unit-test job: makes (or reuses) a venv, installs the package with
+# its test extras against torch==2.13.0 (the CPU build), then runs each listed test
+# file, collects the failures and exits non-zero if any failed.
+set -u
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="${TE_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV" || exit 1
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q "torch==2.13.0" || exit 1
+"$VENV/bin/python" -m pip install -q -c <(echo "torch==2.13.0") -e "$ROOT[test]" || exit 1
+
+cd "$ROOT" || exit 1
+TESTS=(
+    tests/pytorch/test_recipe.py
+    tests/pytorch/test_quantize.py
+    tests/pytorch/test_fp8_autocast.py
+    tests/pytorch/test_linear.py
+    tests/pytorch/test_fp8_activation_recompute.py
+)
+
+FAILED=()
+for t in "${TESTS[@]}"; do
+    echo "=== $t"
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$t" || FAILED+=("$t")
+done
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "FAILED test files: ${FAILED[*]}"
+    exit 1
+fi
+echo "All ${#TESTS[@]} test files passed."

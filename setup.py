@@ -1,0 +1,23 @@
+"""Packaging for the pure-PyTorch Transformer Engine."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = re.search(r'__version__ = "([^"]+)"',
+                    Path("transformer_engine/__init__.py").read_text()).group(1)
+
+setup(
+    name="transformer_engine_pure",
+    version=version,
+    description="A pure-PyTorch implementation of Transformer Engine's PyTorch FP8 training "
+                "API, with FP8-aware activation checkpointing",
+    long_description=Path("README.rst").read_text(),
+    long_description_content_type="text/x-rst",
+    packages=find_packages(include=["transformer_engine", "transformer_engine.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned here (the GPU machine has 2.11); CI pins torch==2.13.0 itself.
+    install_requires=["torch>=2.11"],
+    extras_require={"test": ["pytest>=7", "numpy"], "plot": ["matplotlib"]},
+)

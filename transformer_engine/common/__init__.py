@@ -1,0 +1,1 @@
+"""Framework-independent pieces: FP8 recipes."""

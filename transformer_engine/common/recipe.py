@@ -1,0 +1,133 @@
+"""FP8 recipes: which FP8 formats to use and how scaling factors are chosen.
+
+Recipes are frozen dataclasses validated at construction, so a bad value fails
+where it is written, with the field named, and a recipe can be shared safely
+between modules and autocast regions.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+
+__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
+
+
+class _FormatSpec(NamedTuple):
+    """Largest finite value and torch dtype of the forward and backward FP8 types."""
+
+    max_fwd: float
+    max_bwd: float
+    dtype_fwd: torch.dtype
+    dtype_bwd: torch.dtype
+
+
+class Format(enum.Enum):
+    """FP8 format pairs.
+
+    ``E4M3``: E4M3 for forward tensors and gradients (max 448).
+    ``E5M2``: E5M2 both ways (max 57344); not usable for training GEMMs.
+    ``HYBRID``: E4M3 forward (inputs, weights), E5M2 backward (output gradients).
+    """
+
+    E4M3 = _FormatSpec(448.0, 448.0, torch.float8_e4m3fn, torch.float8_e4m3fn)
+    E5M2 = _FormatSpec(57344.0, 57344.0, torch.float8_e5m2, torch.float8_e5m2)
+    HYBRID = _FormatSpec(448.0, 57344.0, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+class Recipe:
+    """Base class of the FP8 recipes."""
+
+    def delayed(self) -> bool:
+        """Whether this recipe keeps delayed-scaling state (amax history, scale)."""
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        """Whether this recipe scales each tensor from its own amax at cast time."""
+        return isinstance(self, Float8CurrentScaling)
+
+
+def _check_format(name: str, fp8_format) -> None:
+    if not isinstance(fp8_format, Format):
+        raise TypeError(f"{name}: fp8_format must be a transformer_engine.common.recipe.Format, "
+                        f"got {fp8_format!r}")
+    if fp8_format is Format.E5M2:
+        raise ValueError(f"{name}: fp8_format=Format.E5M2 is not supported for training "
+                         "(an E5M2 x E5M2 GEMM is not available); use Format.HYBRID or Format.E4M3")
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Recipe):
+    """Delayed scaling: each tensor is cast with a scale derived from the amaxes of
+    earlier iterations (an amax history), updated once per training step.
+
+    Parameters
+    ----------
+    margin : int, default 0
+        The scale is ``(fp8_max / amax) / 2**margin``; must be >= 0.
+    fp8_format : Format, default Format.HYBRID
+    amax_history_len : int, default 1024
+        Number of past amaxes kept per tensor; must be >= 1.
+    amax_compute_algo : "max" | "most_recent" | callable, default "max"
+        How the amax used for the new scale is taken from the history. A callable
+        receives the history ``[amax_history_len, n]`` and returns ``[n]``.
+    scaling_factor_compute_algo : callable, optional
+        ``f(amax, scale, fp8_max, recipe) -> new_scale`` replacing the default formula.
+    reduce_amax : bool, default True
+        All-reduce amaxes (MAX) over the FP8 group before each update.
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: Union[str, Callable] = "max"
+    scaling_factor_compute_algo: Optional[Callable] = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        name = "DelayedScaling"
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
+            raise TypeError(f"{name}: margin must be an int, got {self.margin!r}")
+        if self.margin < 0:
+            raise ValueError(f"{name}: margin must be >= 0, got {self.margin}")
+        _check_format(name, self.fp8_format)
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
+            raise TypeError(f"{name}: amax_history_len must be an int, got {self.amax_history_len!r}")
+        if self.amax_history_len < 1:
+            raise ValueError(f"{name}: amax_history_len must be >= 1, got {self.amax_history_len}")
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in _AMAX_ALGOS:
+            raise ValueError(f"{name}: amax_compute_algo must be one of {_AMAX_ALGOS} or a "
+                             f"callable, got {self.amax_compute_algo!r}")
+        if self.scaling_factor_compute_algo is not None and not callable(
+                self.scaling_factor_compute_algo):
+            raise TypeError(f"{name}: scaling_factor_compute_algo must be callable or None, "
+                            f"got {self.scaling_factor_compute_algo!r}")
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"{name}: reduce_amax must be a bool, got {self.reduce_amax!r}")
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError(f"{name}: fp8_dpa / fp8_mha (FP8 attention) are not implemented; "
+                             "attention runs in high precision")
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(Recipe):
+    """Current (per-tensor, just-in-time) scaling: each cast uses
+    ``fp8_max / amax(x)`` of the tensor being cast. Stateless.
+
+    Parameters
+    ----------
+    fp8_format : Format, default Format.HYBRID
+    """
+
+    fp8_format: Format = Format.HYBRID
+
+    def __post_init__(self):
+        _check_format("Float8CurrentScaling", self.fp8_format)

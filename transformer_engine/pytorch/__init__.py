@@ -1,0 +1,13 @@
+"""``import transformer_engine.pytorch as te``: the public names, as TE spells them."""
+
+from . import distributed
+from .distributed import CudaRNGStatesTracker, checkpoint
+from .fp8 import (FP8GlobalStateManager, autocast, fp8_autocast, get_default_fp8_recipe,
+                  is_fp8_available)
+from .module import Linear, TransformerEngineBaseModule
+
+__all__ = [
+    "distributed", "checkpoint", "CudaRNGStatesTracker", "FP8GlobalStateManager",
+    "autocast", "fp8_autocast", "get_default_fp8_recipe", "is_fp8_available",
+    "Linear", "TransformerEngineBaseModule",
+]

@@ -1,0 +1,570 @@
+"""Activation checkpointing that keeps FP8 delayed-scaling state right, the RNG
+states tracker, and the tensor-parallel split/gather helpers it uses.
+
+NOTE [Recompute stashes]
+    `checkpoint(fn, *args)` runs ``fn`` once without keeping its activations
+    (phase 1) and again during backward (phase 2, the recompute). Between the two
+    the outermost FP8 autocast may have updated every scale, so a delayed-scaling
+    module must recompute with the scale its phase-1 forward used.
+
+    Two module-level flags say where we are: *in a recompute region* (set on entry to
+    either phase, whatever the FP8 state is then) and *in the recompute phase*. Every
+    exit restores the values found at entry. `is_fp8_activation_recompute_enabled()`
+    is the region flag AND the *live* FP8 state, so an autocast opened inside the
+    checkpointed function counts (the seed's change).
+
+    The bookkeeping lives in one `_RecomputeFrame` per checkpoint call, owned by that
+    call's autograd graph (the reentrant Function's ctx, or the recompute context of
+    the non-reentrant checkpoint). In phase 1 each delayed-scaling FP8 module appends
+    a `RecomputeStash` (a copy of its forward scale, scale_inv and amax history, and
+    the backward-update session if it was the session's first FP8 module) to every
+    frame that is recording; in phase 2 it takes its stashes back in call order. A
+    checkpoint nested inside a recompute records the stashes its enclosing recompute
+    hands out, so nested regions see the phase-1 state too. A dropped graph drops its
+    frame: nothing global grows. The recompute records no amax, registers nothing
+    for an update, and claims no "first module": the stash says what phase 1 did.
+
+    Invariance assumes ``fn`` runs the same FP8 modules in both phases (it must not
+    branch on `in_fp8_activation_recompute_phase()` or on live scales).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from .fp8 import FP8GlobalStateManager, RecomputeStateError, ScalingState
+
+__all__ = [
+    "checkpoint", "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase",
+    "CudaRNGStatesTracker", "RecomputeStash", "recompute_stash_count",
+    "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
+]
+
+# ---- where we are: the two flags, and the frames of the calls we are inside -------
+_in_recompute_region: bool = False
+_in_recompute_phase: bool = False
+_frames: Tuple[Tuple["_RecomputeFrame", bool], ...] = ()   # (frame, recomputing), innermost last
+_training_under_no_grad: bool = False    # reentrant phase 1 of a call made with grad enabled
+_LIVE_FRAMES: "weakref.WeakSet[_RecomputeFrame]" = weakref.WeakSet()
+
+
+def is_fp8_activation_recompute_enabled() -> bool:
+    """True inside a checkpointed region (either phase) while FP8 is enabled *now*."""
+    return _in_recompute_region and FP8GlobalStateManager.is_fp8_enabled()
+
+
+def in_fp8_activation_recompute_phase() -> bool:
+    """True while a checkpointed function is being recomputed for backward."""
+    return _in_recompute_phase
+
+
+def is_training_forward() -> bool:
+    """Whether a forward running now counts as training (records amaxes, updates
+    scales): grad enabled, or the reentrant phase 1 of a call made with grad enabled."""
+    return torch.is_grad_enabled() or _training_under_no_grad
+
+
+class RecomputeStash(NamedTuple):
+    """What one FP8 module call stashed in phase 1 for its recompute."""
+
+    scaling_fwd: ScalingState
+    bwd_session: Any
+
+
+class _RecomputeFrame:
+    """The stashes of one checkpoint call, keyed by module, in call order."""
+
+    __slots__ = ("stashes", "metas", "cursor", "__weakref__")
+
+    def __init__(self):
+        self.stashes: Dict[int, List[RecomputeStash]] = {}
+        self.metas: Dict[int, dict] = {}     # keeps each keyed fp8_meta (so its id) alive
+        self.cursor: Dict[int, int] = {}
+        _LIVE_FRAMES.add(self)
+
+    def add(self, fp8_meta: dict, entry: RecomputeStash) -> int:
+        entries = self.stashes.setdefault(id(fp8_meta), [])
+        self.metas[id(fp8_meta)] = fp8_meta
+        entries.append(entry)
+        return len(entries) - 1
+
+    def start_recompute(self) -> None:
+        self.cursor = {}
+
+    def take(self, fp8_meta: dict) -> RecomputeStash:
+        key = id(fp8_meta)
+        entries = self.stashes.get(key, [])
+        position = self.cursor.get(key, 0)
+        if position >= len(entries):
+            raise RecomputeStateError(
+                "te.checkpoint: the recompute ran a delayed-scaling FP8 forward "
+                f"(call #{position + 1} of this module in the region) for which the first "
+                f"forward stashed no FP8 state ({len(entries)} stash(es) recorded). The "
+                "checkpointed function must run the same FP8 modules, under the same FP8 "
+                "autocast, in both phases; it must not branch on "
+                "in_fp8_activation_recompute_phase() or on live scales. Refusing to "
+                "recompute with the live (already updated) scales.")
+        self.cursor[key] = position + 1
+        return entries[position]
+
+    def tensor_count(self) -> int:
+        return 3 * sum(len(v) for v in self.stashes.values())
+
+
+def recompute_stash_count() -> int:
+    """Tensors held by live recompute stashes, across all checkpoint calls (for tests
+    and leak checks; call ``gc.collect()`` first to drop unreachable graphs)."""
+    return sum(frame.tensor_count() for frame in list(_LIVE_FRAMES))
+
+
+def _recording_frames() -> List["_RecomputeFrame"]:
+    """Phase-1 frames newer than the innermost recomputing frame."""
+    out = []
+    for frame, recomputing in reversed(_frames):
+        if recomputing:
+            break
+        out.append(frame)
+    return out
+
+
+def stash_for_recompute(fp8_meta: dict, entry: RecomputeStash) -> Optional[int]:
+    """Give ``entry`` to every recording frame; returns its position in the innermost."""
+    position = None
+    for frame in _recording_frames():
+        p = frame.add(fp8_meta, entry)
+        position = p if position is None else position
+    return position
+
+
+def take_recompute_stash(fp8_meta: dict) -> RecomputeStash:
+    """The next stash of this module in the call being recomputed; also handed to
+    checkpoint calls nested inside that recompute."""
+    source = next((frame for frame, recomputing in reversed(_frames) if recomputing), None)
+    if source is None:
+        raise RecomputeStateError("te.checkpoint: an FP8 module asked for its recompute stash "
+                                  "outside any checkpoint recompute")
+    entry = source.take(fp8_meta)
+    for frame in _recording_frames():
+        frame.add(fp8_meta, entry)
+    return entry
+
+
+@contextlib.contextmanager
+def _recompute_region(frame: _RecomputeFrame, recomputing: bool, training_under_no_grad=None):
+    """Enter a phase of one checkpoint call; restores every flag it changes.
+
+    Phase 1 of a region nested inside a recompute is itself part of that recompute,
+    so the phase flag is only ever raised, never lowered, on entry.
+    """
+    global _in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad
+    saved = (_in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad)
+    _in_recompute_region = True
+    _in_recompute_phase = _in_recompute_phase or recomputing
+    _frames = _frames + ((frame, recomputing),)
+    if training_under_no_grad is not None:
+        _training_under_no_grad = training_under_no_grad
+    try:
+        yield
+    finally:
+        _in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad = saved
+
+
+# ---- RNG ---------------------------------------------------------------------------
+
+def _tracker_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _get_rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class CudaRNGStatesTracker:
+    """Named RNG states, so that e.g. tensor-parallel ranks can draw dropout masks
+    from a shared or a per-rank stream. `fork(name)` runs a block on that state.
+
+    Parameters
+    ----------
+    device : torch.device, optional
+        The generator the states belong to: CUDA when available, else the CPU one.
+    """
+
+    def __init__(self, device=None):
+        self.device = torch.device(device) if device is not None else _tracker_device()
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: Dict[str, torch.Tensor] = {}
+        self.seeds_: set = set()
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        """Copies of the states (later draws do not change them)."""
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        self.states_ = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states_:
+            raise ValueError(f"CudaRNGStatesTracker.add: state {name!r} already exists")
+        if seed in self.seeds_:
+            raise ValueError(f"CudaRNGStatesTracker.add: seed {seed} is already used")
+        self.seeds_.add(seed)
+        original = _get_rng_state(self.device)
+        try:
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):
+                    torch.cuda.manual_seed(seed)
+            else:
+                torch.manual_seed(seed)
+            self.states_[name] = _get_rng_state(self.device)
+        finally:
+            _set_rng_state(original, self.device)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"CudaRNGStatesTracker.fork: no state named {name!r}; "
+                           f"call add({name!r}, seed) first (known: {sorted(self.states_)})")
+        original = _get_rng_state(self.device)
+        _set_rng_state(self.states_[name], self.device)
+        try:
+            yield
+        finally:
+            self.states_[name] = _get_rng_state(self.device)
+            _set_rng_state(original, self.device)
+
+
+class _RngSnapshot:
+    """RNG states at a checkpoint call, replayed for its recompute."""
+
+    def __init__(self, tracker: Optional[CudaRNGStatesTracker], torch_generators: bool):
+        self.cpu = torch.get_rng_state() if torch_generators else None
+        self.cuda = (torch.cuda.get_rng_state_all()
+                     if torch_generators and torch.cuda.is_initialized() else None)
+        self.tracker = tracker
+        self.tracker_states = tracker.get_states() if tracker is not None else None
+
+    @contextlib.contextmanager
+    def replay(self):
+        now_cpu = torch.get_rng_state() if self.cpu is not None else None
+        now_cuda = torch.cuda.get_rng_state_all() if self.cuda is not None else None
+        now_tracker = self.tracker.get_states() if self.tracker is not None else None
+        try:
+            if self.cpu is not None:
+                torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            if self.tracker is not None:
+                self.tracker.set_states(self.tracker_states)
+            yield
+        finally:
+            if now_cpu is not None:
+                torch.set_rng_state(now_cpu)
+            if now_cuda is not None:
+                torch.cuda.set_rng_state_all(now_cuda)
+            if now_tracker is not None:
+                self.tracker.set_states(now_tracker)
+
+
+# ---- the checkpoint call -------------------------------------------------------------
+
+def _autocast_snapshot() -> List[Tuple[str, bool, torch.dtype]]:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+
+
+class _CheckpointCall:
+    """Everything one checkpoint call carries from phase 1 into its recompute."""
+
+    def __init__(self, function: Callable, tracker, context_fn, torch_generators: bool):
+        self.function = function
+        self.frame = _RecomputeFrame()
+        self.training = torch.is_grad_enabled()
+        self.rng = _RngSnapshot(tracker, torch_generators)
+        self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()
+        self.autocast = _autocast_snapshot()
+        user = context_fn() if context_fn is not None else None
+        self.user_forward_ctx = user[0] if user is not None else contextlib.nullcontext()
+        self.user_recompute_ctx = user[1] if user is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def phase1(self, reentrant: bool):
+        with _recompute_region(self.frame, recomputing=False,
+                               training_under_no_grad=self.training if reentrant else None):
+            with self.user_forward_ctx:
+                yield
+
+    @contextlib.contextmanager
+    def recompute(self, torch_state: bool):
+        """The call site's FP8 autocast state, flags and tracker states (and, when
+        ``torch_state``, torch's RNG and autocast state) around a recompute."""
+        saved_fp8 = FP8GlobalStateManager.get_fp8_autocast_state()
+        self.frame.start_recompute()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.rng.replay())
+            if torch_state:
+                for device, enabled, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(device_type=device, enabled=enabled,
+                                                       dtype=dtype))
+            stack.enter_context(_recompute_region(self.frame, recomputing=True,
+                                                  training_under_no_grad=False))
+            FP8GlobalStateManager.set_fp8_autocast_state(self.fp8_state)
+            try:
+                with self.user_recompute_ctx:
+                    yield
+            finally:
+                FP8GlobalStateManager.set_fp8_autocast_state(saved_fp8)
+
+
+class _ReusableContext:
+    """A context manager that can be entered once per recompute (torch's
+    non-reentrant checkpoint re-enters the same object for each backward)."""
+
+    def __init__(self, factory: Callable[[], Any]):
+        self.factory = factory
+        self.active: List[Any] = []
+
+    def __enter__(self):
+        cm = self.factory()
+        self.active.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self.active.pop().__exit__(*exc)
+
+
+def _flatten(args: tuple, kwargs: dict):
+    keys = tuple(kwargs)
+    return keys, tuple(args) + tuple(kwargs[k] for k in keys)
+
+
+def _unflatten(flat: tuple, keys: tuple):
+    n = len(flat) - len(keys)
+    return flat[:n], dict(zip(keys, flat[n:]))
+
+
+class _ReentrantCheckpointFunction(torch.autograd.Function):
+    """Phase 1 under no_grad in forward; recompute + inner backward in backward."""
+
+    @staticmethod
+    def forward(ctx, call: _CheckpointCall, keys: tuple, distribute: Optional[Any],
+                _grad_anchor: torch.Tensor, *flat):
+        ctx.call, ctx.keys = call, keys
+        args, kwargs = _unflatten(flat, keys)
+        with call.phase1(reentrant=True):
+            outputs = call.function(*args, **kwargs)
+        ctx.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
+        ctx.inputs_require_grad = [flat[i].requires_grad for i in ctx.tensor_positions]
+        ctx.non_tensors = [None if torch.is_tensor(a) else a for a in flat]
+        tensors = [flat[i] for i in ctx.tensor_positions]
+        ctx.distributed_shape = None
+        if distribute is not None and tensors:
+            ctx.distributed_shape = tensors[0].shape
+            tensors[0] = split_tensor_into_1d_equal_chunks(tensors[0], distribute, new_buffer=True)
+        ctx.distribute = distribute
+        ctx.save_for_backward(*tensors)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "te.checkpoint(use_reentrant=True) does not work with torch.autograd.grad(): "
+                "its recompute runs a nested .backward(). Use loss.backward(), or "
+                "te.checkpoint(..., use_reentrant=False).")
+        call: _CheckpointCall = ctx.call
+        tensors = list(ctx.saved_tensors)
+        if ctx.distributed_shape is not None:
+            tensors[0] = gather_split_1d_tensor(tensors[0], ctx.distribute).view(
+                ctx.distributed_shape)
+        flat = list(ctx.non_tensors)
+        inputs = []
+        for pos, tensor, req in zip(ctx.tensor_positions, tensors, ctx.inputs_require_grad):
+            t = tensor.detach().requires_grad_(req)
+            flat[pos] = t
+            inputs.append(t)
+        args, kwargs = _unflatten(tuple(flat), ctx.keys)
+        with call.recompute(torch_state=True), torch.enable_grad():
+            outputs = call.function(*args, **kwargs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if not pairs:
+            raise RuntimeError(
+                "te.checkpoint: no output of the checkpointed function requires grad, so "
+                "there is nothing to backpropagate through it; call the function "
+                "directly instead of checkpointing it.")
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = [t.grad if req else None for t, req in zip(inputs, ctx.inputs_require_grad)]
+        grads_out = [None] * len(flat)
+        for pos, g in zip(ctx.tensor_positions, input_grads):
+            grads_out[pos] = g
+        return (None, None, None, None, *grads_out)
+
+
+def _contains_te_module(function) -> Optional[bool]:
+    """True/False when ``function`` is (a bound method of) an nn.Module; None if unknown."""
+    from .module.base import TransformerEngineBaseModule
+    owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
+    if not isinstance(owner, torch.nn.Module):
+        return None
+    return any(isinstance(m, TransformerEngineBaseModule) for m in owner.modules())
+
+
+def _check_checkpoint_args(function, use_reentrant, distribute_saved_activations,
+                           get_rng_state_tracker, tp_group, context_fn):
+    if not callable(function):
+        raise TypeError(f"te.checkpoint: function must be callable, got {type(function).__name__}")
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"te.checkpoint: use_reentrant must be a bool, got {use_reentrant!r}")
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError("te.checkpoint: get_rng_state_tracker must be a callable returning a "
+                        f"CudaRNGStatesTracker, got {type(get_rng_state_tracker).__name__}")
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError("te.checkpoint: context_fn must be a callable returning two context "
+                        f"managers, got {type(context_fn).__name__}")
+    if distribute_saved_activations:
+        if not use_reentrant:
+            raise ValueError("te.checkpoint: distribute_saved_activations=True needs "
+                             "use_reentrant=True")
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("te.checkpoint: distribute_saved_activations=True needs an "
+                               "initialized torch.distributed process group (tp_group); "
+                               "call torch.distributed.init_process_group() first")
+        if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+            raise TypeError("te.checkpoint: tp_group must be a torch.distributed.ProcessGroup, "
+                            f"got {type(tp_group).__name__}")
+
+
+def checkpoint(function: Callable, *args, use_reentrant: bool = True,
+               distribute_saved_activations: bool = False,
+               get_rng_state_tracker: Optional[Callable[[], CudaRNGStatesTracker]] = None,
+               tp_group=None, context_fn: Optional[Callable] = None, **kwargs):
+    """Activation checkpointing that keeps FP8 delayed-scaling state right.
+
+    Runs ``function(*args, **kwargs)`` without keeping its activations and re-runs it
+    during backward. The recompute replays torch's CPU and CUDA RNG states, the
+    tracker's states, the ``torch.autocast`` state and the FP8 autocast state of the
+    call site, and FP8 modules recompute with the scales their first forward used
+    (NOTE [Recompute stashes]); an FP8 autocast opened inside ``function`` counts.
+    With and without checkpointing a training run gives identical results, provided
+    ``function`` does not branch on recompute state.
+
+    Parameters
+    ----------
+    function : callable
+        What to checkpoint. An ``nn.Module`` containing no TE module is handed to
+        ``torch.utils.checkpoint`` when no TE-only option is used.
+    *args, **kwargs
+        Passed to ``function``; non-tensor arguments pass through untouched.
+    use_reentrant : bool, default True
+        True: an autograd Function that re-runs ``function`` in its backward (not
+        usable with ``torch.autograd.grad``; ``retain_graph`` works). False: saved-
+        tensor hooks that recompute the whole function at the first unpack.
+    distribute_saved_activations : bool, default False
+        Reentrant only: keep 1/tp of the first tensor argument per rank of
+        ``tp_group`` (needs an initialized process group), gathered for the recompute.
+    get_rng_state_tracker : callable, optional
+        Returns the `CudaRNGStatesTracker` whose states are replayed.
+    tp_group : torch.distributed.ProcessGroup, optional
+        Group for ``distribute_saved_activations`` (the default group when None).
+    context_fn : callable, optional
+        Returns two context managers, entered around phase 1 and around each recompute.
+
+    Returns
+    -------
+    What ``function`` returns.
+    """
+    _check_checkpoint_args(function, use_reentrant, distribute_saved_activations,
+                           get_rng_state_tracker, tp_group, context_fn)
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
+    if (tracker is None and not distribute_saved_activations
+            and _contains_te_module(function) is False
+            and (not use_reentrant or (not kwargs and context_fn is None))):
+        extra = {} if use_reentrant else {"context_fn": context_fn or torch_checkpoint.noop_context_fn}
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
+                                           **extra, **kwargs)
+    if use_reentrant:
+        call = _CheckpointCall(function, tracker, context_fn, torch_generators=True)
+        keys, flat = _flatten(args, kwargs)
+        anchor = torch.empty(0, requires_grad=True) if torch.is_grad_enabled() else torch.empty(0)
+        distribute = None
+        if distribute_saved_activations:
+            distribute = tp_group if tp_group is not None else torch.distributed.group.WORLD
+        return _ReentrantCheckpointFunction.apply(call, keys, distribute, anchor, *flat)
+    return _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs)
+
+
+def _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs):
+    """torch's non-reentrant checkpoint (which replays torch RNG and autocast state),
+    without early stop, with our phase contexts around both phases."""
+    calls: List[_CheckpointCall] = []
+
+    def contexts():
+        call = _CheckpointCall(function, tracker, context_fn, torch_generators=False)
+        calls.append(call)
+        return (_ReusableContext(functools.partial(call.phase1, reentrant=False)),
+                _ReusableContext(functools.partial(call.recompute, torch_state=False)))
+
+    with torch_checkpoint.set_checkpoint_early_stop(False):
+        outputs = torch_checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                              context_fn=contexts, preserve_rng_state=True,
+                                              **kwargs)
+    if calls and calls[0].training and not _any_requires_grad(outputs):
+        raise RuntimeError(
+            "te.checkpoint: no output of the checkpointed function requires grad, so there "
+            "is nothing to backpropagate through it; call the function directly instead "
+            "of checkpointing it.")
+    return outputs
+
+
+def _any_requires_grad(outputs) -> bool:
+    if torch.is_tensor(outputs):
+        return outputs.requires_grad
+    if isinstance(outputs, (tuple, list)):
+        return any(_any_requires_grad(o) for o in outputs)
+    if isinstance(outputs, dict):
+        return any(_any_requires_grad(o) for o in outputs.values())
+    return False
+
+
+# ---- tensor-parallel helpers ---------------------------------------------------------
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group, new_buffer: bool = False):
+    """This rank's 1/world_size slice of ``tensor`` flattened."""
+    dist = torch.distributed
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = tensor.numel()
+    if numel % world != 0:
+        raise ValueError(f"te.checkpoint: distribute_saved_activations needs the first "
+                         f"argument's numel ({numel}, shape {tuple(tensor.shape)}) divisible "
+                         f"by the tensor-parallel size {world}")
+    part = numel // world
+    chunk = tensor.detach().reshape(-1)[rank * part:(rank + 1) * part]
+    return chunk.clone() if new_buffer else chunk
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of `split_tensor_into_1d_equal_chunks`: the flattened whole."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
+    out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    return out

@@ -1,0 +1,359 @@
+"""The FP8 global state: autocast, delayed-scaling updates, and the recompute hooks.
+
+NOTE [Delayed-scaling update order]
+    A module's forward inside an enabled autocast casts with the *current* scale of
+    its ``fp8_meta["scaling_fwd"]`` and, in a training forward (grad enabled at the
+    call site), records each tensor's amax into the live row (row 0) of its amax
+    history and registers itself with the running *session* (one per outermost
+    autocast). When that outermost autocast exits, every registered module's forward
+    state is updated at once, per (recipe, group): one concatenated buffer, one
+    optional MAX all-reduce, new scales from the history, history rolled.
+    The first delayed-scaling FP8 module of the session to run its forward (so the
+    last to run backward) carries the session into its autograd context; when its
+    backward ends, the backward states of the session's modules update the same way.
+    The activation recompute (`distributed.py`) records nothing and updates nothing:
+    see NOTE [Recompute stashes] there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..common.recipe import DelayedScaling, Recipe
+from . import quantize
+
+__all__ = ["ScalingState", "FP8GlobalStateManager", "autocast", "fp8_autocast",
+           "is_fp8_available", "get_default_fp8_recipe", "RecomputeStateError"]
+
+
+class RecomputeStateError(RuntimeError):
+    """An activation recompute could not find the FP8 state its forward stashed."""
+
+
+@dataclass
+class ScalingState:
+    """Delayed-scaling state of one module's forward or backward tensors.
+
+    ``scale[i]`` casts tensor ``i``; ``scale_inv = 1 / scale``; ``amax_history`` is
+    ``[amax_history_len, n]`` with row 0 the live row being recorded this step.
+    """
+
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+    amax_history: torch.Tensor
+
+    @classmethod
+    def new(cls, num_tensors: int, history_len: int, device) -> "ScalingState":
+        return cls(torch.ones(num_tensors, dtype=torch.float32, device=device),
+                   torch.ones(num_tensors, dtype=torch.float32, device=device),
+                   torch.zeros(history_len, num_tensors, dtype=torch.float32, device=device))
+
+    def clone(self) -> "ScalingState":
+        return ScalingState(self.scale.clone(), self.scale_inv.clone(), self.amax_history.clone())
+
+    def record_amax(self, index: int, amax_value: torch.Tensor) -> None:
+        """Fold an amax into the live row (max with what this step already saw)."""
+        live = self.amax_history[0, index]
+        torch.maximum(live, amax_value, out=live)
+
+
+class _UpdateGroup:
+    """Modules of one session that share a recipe and an amax-reduction group."""
+
+    def __init__(self, recipe: DelayedScaling, group):
+        self.recipe = recipe
+        self.group = group
+        self.metas: Dict[int, dict] = {}
+
+
+class _AutocastSession:
+    """What one outermost autocast collected: the modules to update, by
+    (recipe, group), and whether the first FP8 module has been claimed."""
+
+    def __init__(self):
+        self.groups: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
+        self.first_module_claimed = False
+
+    def register(self, fp8_meta: dict, recipe: DelayedScaling, group) -> None:
+        key = (recipe, group)
+        if key not in self.groups:
+            self.groups[key] = _UpdateGroup(recipe, group)
+        self.groups[key].metas.setdefault(id(fp8_meta), fp8_meta)
+
+    def update(self, forward: bool) -> None:
+        for g in self.groups.values():
+            _update_scaling_states(list(g.metas.values()), g.recipe, g.group, forward)
+
+    def discard_forward_amaxes(self) -> None:
+        """Forget the live forward amaxes of an autocast that raised."""
+        for g in self.groups.values():
+            for meta in g.metas.values():
+                meta["scaling_fwd"].amax_history[0].zero_()
+
+
+@dataclass(frozen=True)
+class _AutocastState:
+    """The FP8 autocast state; replaced whole on enter, put back whole on exit."""
+
+    enabled: bool = False
+    calibrating: bool = False
+    recipe: Optional[Recipe] = None
+    group: Any = None
+    depth: int = 0
+    session: Optional[_AutocastSession] = None
+
+
+def _group_size(group) -> int:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _update_scaling_states(metas: List[dict], recipe: DelayedScaling, group,
+                           forward: bool) -> None:
+    """One delayed-scaling update of many modules' states, on concatenated buffers."""
+    key = "scaling_fwd" if forward else "scaling_bwd"
+    states = [m[key] for m in metas if m.get(key) is not None]
+    if not states:
+        return
+    sizes = [s.scale.numel() for s in states]
+    history = torch.cat([s.amax_history for s in states], dim=1)
+    if recipe.reduce_amax and _group_size(group) > 1:
+        live = history[0].contiguous()
+        torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX, group=group)
+        history[0].copy_(live)
+    scale = torch.cat([s.scale for s in states])
+    amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
+    spec = recipe.fp8_format.value
+    max_value = spec.max_fwd if forward else spec.max_bwd
+    if recipe.scaling_factor_compute_algo is not None:
+        new_scale = recipe.scaling_factor_compute_algo(
+            amax_value, scale, torch.full_like(scale, max_value), recipe).to(torch.float32)
+    else:
+        new_scale = quantize.scale_from_amax(amax_value, scale, max_value, recipe.margin)
+    new_history = quantize.roll_amax_history(history)
+    new_scale_inv = torch.reciprocal(new_scale)
+    dst, src = [], []
+    for s, sc, si, h in zip(states, new_scale.split(sizes), new_scale_inv.split(sizes),
+                            new_history.split(sizes, dim=1)):
+        dst += [s.scale, s.scale_inv, s.amax_history]
+        src += [sc, si, h]
+    torch._foreach_copy_(dst, src)
+
+
+def get_default_fp8_recipe() -> Recipe:
+    """The recipe an autocast uses when none is given: ``DelayedScaling()``."""
+    return DelayedScaling()
+
+
+class FP8GlobalStateManager:
+    """Class-level holder of the FP8 autocast state and the hooks modules call.
+
+    All state lives in one `_AutocastState` object; `reset()` replaces it.
+    """
+
+    _state: _AutocastState = _AutocastState()
+
+    # ---- queries ---------------------------------------------------------------
+    @classmethod
+    def reset(cls) -> None:
+        """Back to no autocast. Pending backward updates of earlier forwards still run."""
+        cls._state = _AutocastState()
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        return cls._state.enabled
+
+    @classmethod
+    def is_fp8_calibration(cls) -> bool:
+        return cls._state.calibrating
+
+    @classmethod
+    def get_fp8_recipe(cls) -> Recipe:
+        return cls._state.recipe if cls._state.recipe is not None else get_default_fp8_recipe()
+
+    @classmethod
+    def get_fp8_group(cls):
+        return cls._state.group
+
+    @classmethod
+    def get_autocast_depth(cls) -> int:
+        return cls._state.depth
+
+    @classmethod
+    def get_fp8_autocast_state(cls) -> _AutocastState:
+        return cls._state
+
+    @classmethod
+    def set_fp8_autocast_state(cls, state: _AutocastState) -> None:
+        cls._state = state
+
+    @classmethod
+    def is_first_fp8_module(cls) -> bool:
+        """True for the first caller in the running session, False afterwards."""
+        session = cls._state.session
+        if session is None or session.first_module_claimed:
+            return False
+        session.first_module_claimed = True
+        return True
+
+    @classmethod
+    def current_session(cls) -> Optional[_AutocastSession]:
+        return cls._state.session
+
+    # ---- autocast --------------------------------------------------------------
+    @classmethod
+    def fp8_autocast_enter(cls, enabled: bool, calibrating: bool, recipe: Recipe, group) -> None:
+        s = cls._state
+        session = s.session if s.depth > 0 else _AutocastSession()
+        cls._state = _AutocastState(enabled=enabled, calibrating=calibrating, recipe=recipe,
+                                    group=group, depth=s.depth + 1, session=session)
+
+    @classmethod
+    def add_fp8_tensors_to_global_buffer(cls, fp8_meta: dict) -> None:
+        """Register a module's delayed-scaling state for the session's update."""
+        s = cls._state
+        if s.session is not None:
+            s.session.register(fp8_meta, fp8_meta["recipe"], s.group)
+
+    @classmethod
+    def reduce_and_update_fp8_tensors(cls, forward: bool = True,
+                                      session: Optional[_AutocastSession] = None) -> None:
+        """Update the forward (or backward) delayed-scaling state of a session's modules."""
+        session = session if session is not None else cls._state.session
+        if session is not None:
+            session.update(forward)
+
+    # ---- recompute hooks (see NOTE [Recompute stashes] in distributed.py) ------
+    @classmethod
+    def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict, bwd_session=None) -> None:
+        """Phase 1: stash this module's forward scale and amax history into every
+        checkpoint call that is recording."""
+        from . import distributed
+        entry = distributed.RecomputeStash(fp8_meta["scaling_fwd"].clone(), bwd_session)
+        position = distributed.stash_for_recompute(fp8_meta, entry)
+        fp8_meta["global_fp8_buffer_pos_fwd_recompute"] = position
+
+    @classmethod
+    def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict):
+        """Phase 2: swap this call's stashed forward state in; returns the stash."""
+        from . import distributed
+        entry = distributed.take_recompute_stash(fp8_meta)
+        fp8_meta["updated_fp8_state_fwd"] = fp8_meta["scaling_fwd"]
+        fp8_meta["scaling_fwd"] = entry.scaling_fwd
+        return entry
+
+    @classmethod
+    def restore_fp8_meta_tensors(cls, fp8_meta: dict) -> None:
+        """Phase 2, after the forward: put the live forward state back."""
+        fp8_meta["scaling_fwd"] = fp8_meta.pop("updated_fp8_state_fwd")
+
+
+def _check_autocast_args(api: str, enabled, calibrating, recipe, group) -> None:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
+    if not isinstance(calibrating, bool):
+        raise TypeError(f"{api}: calibrating must be a bool, got {calibrating!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"{api}: the recipe must be a transformer_engine.common.recipe.Recipe "
+                        f"(DelayedScaling, Float8CurrentScaling) or None, got {type(recipe).__name__}")
+    if group is not None:
+        dist = torch.distributed
+        if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+            raise TypeError(f"{api}: the amax reduction group must be a "
+                            f"torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None):
+    """Run TE modules in FP8.
+
+    Parameters
+    ----------
+    enabled : bool, default True
+        Whether TE modules inside run their GEMMs in FP8.
+    calibrating : bool, default False
+        Record amaxes (and update scales) while running in high precision.
+    recipe : Recipe, optional
+        ``DelayedScaling()`` when None.
+    amax_reduction_group : torch.distributed.ProcessGroup, optional
+        Group over which amaxes are all-reduced (MAX) before each update; the
+        default process group when None and torch.distributed is initialized.
+
+    Nestable. On exit the previous state is restored exactly; the outermost exit of a
+    training forward updates the delayed-scaling state (NOTE [Delayed-scaling update
+    order]). An exception inside restores the state and drops the amaxes it recorded.
+    """
+    _check_autocast_args("te.autocast", enabled, calibrating, recipe, amax_reduction_group)
+    from .distributed import in_fp8_activation_recompute_phase
+    saved = FP8GlobalStateManager.get_fp8_autocast_state()
+    recipe = recipe if recipe is not None else get_default_fp8_recipe()
+    FP8GlobalStateManager.fp8_autocast_enter(enabled, calibrating, recipe, amax_reduction_group)
+    session = FP8GlobalStateManager.current_session()
+    outermost = saved.depth == 0
+    try:
+        yield
+    except BaseException:
+        if outermost and session is not None and not in_fp8_activation_recompute_phase():
+            session.discard_forward_amaxes()
+        raise
+    else:
+        if outermost and not in_fp8_activation_recompute_phase():
+            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True, session=session)
+    finally:
+        FP8GlobalStateManager.set_fp8_autocast_state(saved)
+
+
+def fp8_autocast(enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group=None):
+    """The older spelling of `autocast` (``fp8_recipe`` / ``fp8_group``)."""
+    _check_autocast_args("te.fp8_autocast", enabled, calibrating, fp8_recipe, fp8_group)
+    return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe,
+                    amax_reduction_group=fp8_group)
+
+
+_CPU_FP8_PROBE: Optional[Tuple[bool, str]] = None
+
+
+def _probe_cpu_fp8() -> Tuple[bool, str]:
+    global _CPU_FP8_PROBE
+    if _CPU_FP8_PROBE is None:
+        try:
+            a = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+            one = torch.ones((), dtype=torch.float32)
+            out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            ok = bool(out[0, 0].item() == 16.0)
+            _CPU_FP8_PROBE = (ok, "" if ok else "torch._scaled_mm on CPU gave a wrong result")
+        except (RuntimeError, NotImplementedError) as err:
+            _CPU_FP8_PROBE = (False, f"torch._scaled_mm is not available on CPU: {err}")
+    return _CPU_FP8_PROBE
+
+
+def is_fp8_available(return_reason: bool = False, device=None):
+    """Whether FP8 GEMMs can run on ``device`` (default: CUDA if present, else CPU).
+
+    CUDA needs compute capability 8.9 (Ada) or newer; CPU needs a torch whose
+    ``torch._scaled_mm`` runs there (probed once).
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            ok, reason = False, "CUDA is not available"
+        else:
+            major, minor = torch.cuda.get_device_capability(device)
+            ok = (major, minor) >= (8, 9)
+            reason = "" if ok else f"FP8 needs compute capability 8.9+, device has {major}.{minor}"
+    elif device.type == "cpu":
+        ok, reason = _probe_cpu_fp8()
+    else:
+        ok, reason = False, f"FP8 GEMMs are not supported on device type {device.type!r}"
+    return (ok, reason) if return_reason else ok

@@ -1,0 +1,189 @@
+"""TransformerEngineBaseModule: the per-module FP8 state and the forward prologue
+that ties a module to the FP8 autocast and to activation recompute."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ...common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+from .. import distributed
+from ..fp8 import FP8GlobalStateManager, ScalingState
+
+__all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype"]
+
+
+def default_device(device) -> torch.device:
+    """``device`` or, when None, CUDA if available else CPU (TE's modules default to CUDA)."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM should produce: the torch.autocast dtype if autocast is on."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+@dataclass
+class ForwardPlan:
+    """What one forward call does with FP8, decided in `prepare_forward`.
+
+    ``fp8``: GEMMs in FP8. ``recipe``: the recipe in force (FP8 or calibration).
+    ``record_amax``: write amaxes into the live history row (training forward, not a
+    recompute). ``bwd_session``: the session whose backward update this call's
+    backward triggers (it is the session's first FP8 module), else None.
+    """
+
+    fp8: bool
+    recipe: Optional[Recipe]
+    record_amax: bool
+    bwd_session: Any = None
+
+    @property
+    def delayed(self) -> bool:
+        return self.recipe is not None and self.recipe.delayed()
+
+
+class TransformerEngineBaseModule(torch.nn.Module):
+    """Base of TE modules: owns ``fp8_meta`` (``"recipe"``, ``"scaling_fwd"``,
+    ``"scaling_bwd"``) for its ``num_gemms`` GEMMs: forward tensors are
+    ``[input, weight]`` per GEMM, backward tensors ``[grad_output]`` per GEMM."""
+
+    FWD_TENSORS_PER_GEMM = 2
+    BWD_TENSORS_PER_GEMM = 1
+
+    def __init__(self, num_gemms: int = 1):
+        super().__init__()
+        self.fp8 = False
+        self.fp8_calibration = False
+        self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
+                         "num_gemms": num_gemms}
+
+    # ---- FP8 state ----------------------------------------------------------------
+    def _meta_device(self) -> torch.device:
+        for p in self.parameters():
+            return p.device
+        return default_device(None)
+
+    def init_fp8_meta_tensors(self, recipe: DelayedScaling) -> None:
+        """Fresh delayed-scaling state (scale 1, empty history) sized for ``recipe``."""
+        n = self.fp8_meta["num_gemms"]
+        device = self._meta_device()
+        length = recipe.amax_history_len
+        self.fp8_meta["scaling_fwd"] = ScalingState.new(n * self.FWD_TENSORS_PER_GEMM, length, device)
+        self.fp8_meta["scaling_bwd"] = ScalingState.new(n * self.BWD_TENSORS_PER_GEMM, length, device)
+
+    def _adopt_recipe(self, recipe: Recipe) -> None:
+        """Keep the state while the history length fits the recipe; else start fresh."""
+        self.fp8_meta["recipe"] = recipe
+        if recipe.delayed():
+            state = self.fp8_meta["scaling_fwd"]
+            if state is None or state.amax_history.shape[0] != recipe.amax_history_len:
+                self.init_fp8_meta_tensors(recipe)
+
+    @contextlib.contextmanager
+    def prepare_forward(self, inp: Optional[torch.Tensor] = None):
+        """Decide how this call uses FP8 and do its recompute bookkeeping.
+
+        Phase 1 of a checkpoint stashes the forward state; the recompute swaps the
+        stash in for the duration of the forward and puts the live state back after.
+        Yields a `ForwardPlan`.
+        """
+        fp8 = FP8GlobalStateManager.is_fp8_enabled()
+        calibrating = FP8GlobalStateManager.is_fp8_calibration() and not fp8
+        recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
+        if calibrating and not recipe.delayed():
+            recipe, calibrating = None, False
+        self.fp8, self.fp8_calibration = fp8, calibrating
+        if recipe is not None:
+            self._adopt_recipe(recipe)
+        plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False)
+        swapped = False
+        if distributed.in_fp8_activation_recompute_phase():
+            if fp8 and plan.delayed:
+                entry = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)
+                plan.bwd_session = entry.bwd_session
+                swapped = True
+        elif plan.delayed:
+            if distributed.is_training_forward():
+                plan.record_amax = True
+                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
+                if fp8 and FP8GlobalStateManager.is_first_fp8_module():
+                    plan.bwd_session = FP8GlobalStateManager.current_session()
+            if distributed.is_fp8_activation_recompute_enabled():
+                FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
+                    self.fp8_meta, plan.bwd_session)
+        try:
+            yield plan
+        finally:
+            if swapped:
+                FP8GlobalStateManager.restore_fp8_meta_tensors(self.fp8_meta)
+
+    # ---- FP8 state in state_dict ----------------------------------------------------
+    def get_extra_state(self) -> torch.Tensor:
+        """The FP8 state (recipe, scales, amax histories) as a uint8 tensor, so that it
+        travels in ``state_dict()`` and loads with ``torch.load(weights_only=True)``."""
+        state = {"recipe": _recipe_to_dict(self.fp8_meta["recipe"])}
+        for key in ("scaling_fwd", "scaling_bwd"):
+            s = self.fp8_meta[key]
+            state[key] = None if s is None else {
+                "scale": s.scale.cpu(), "scale_inv": s.scale_inv.cpu(),
+                "amax_history": s.amax_history.cpu()}
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        if state is None or (torch.is_tensor(state) and state.numel() == 0):
+            return
+        if not torch.is_tensor(state):
+            raise TypeError(f"{type(self).__name__}.set_extra_state: expected the uint8 tensor "
+                            f"written by get_extra_state, got {type(state).__name__}")
+        data = torch.load(io.BytesIO(state.cpu().numpy().tobytes()), weights_only=True)
+        recipe = _recipe_from_dict(data["recipe"])
+        self.fp8_meta["recipe"] = recipe
+        device = self._meta_device()
+        for key in ("scaling_fwd", "scaling_bwd"):
+            saved = data[key]
+            if saved is None:
+                self.fp8_meta[key] = None
+                continue
+            self.fp8_meta[key] = ScalingState(saved["scale"].to(device),
+                                              saved["scale_inv"].to(device),
+                                              saved["amax_history"].to(device))
+
+
+def _recipe_to_dict(recipe: Optional[Recipe]):
+    """A recipe as plain data. Callable algorithms cannot be saved: such a recipe is
+    stored as None, and the autocast's recipe is adopted at the next forward."""
+    if recipe is None:
+        return None
+    if isinstance(recipe, DelayedScaling):
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            return None
+        return {"type": "DelayedScaling", "margin": recipe.margin,
+                "fp8_format": recipe.fp8_format.name, "amax_history_len": recipe.amax_history_len,
+                "amax_compute_algo": recipe.amax_compute_algo, "reduce_amax": recipe.reduce_amax}
+    if isinstance(recipe, Float8CurrentScaling):
+        return {"type": "Float8CurrentScaling", "fp8_format": recipe.fp8_format.name}
+    raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
+
+
+def _recipe_from_dict(data) -> Optional[Recipe]:
+    if data is None:
+        return None
+    data = dict(data)
+    kind = data.pop("type")
+    data["fp8_format"] = Format[data["fp8_format"]]
+    if kind == "DelayedScaling":
+        return DelayedScaling(**data)
+    if kind == "Float8CurrentScaling":
+        return Float8CurrentScaling(**data)
+    raise ValueError(f"set_extra_state: unknown recipe type {kind!r}")

@@ -1,0 +1,169 @@
+"""te.Linear, and the FP8 linear autograd function that the other modules reuse.
+
+The GEMM names (forward, dgrad, wgrad) are those of NOTE [GEMM vocabulary] in
+`quantize.py`; which scale each cast uses is decided by `ForwardPlan` (base.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import quantize
+from ..fp8 import FP8GlobalStateManager
+from .base import ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device
+
+__all__ = ["Linear", "fp8_linear", "check_params_dtype", "init_weight_"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_params_dtype(api: str, params_dtype) -> torch.dtype:
+    dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+    if dtype not in _PARAM_DTYPES:
+        raise TypeError(f"{api}: params_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype
+
+
+def init_weight_(weight: torch.Tensor) -> None:
+    """TE's default weight init: normal with std 0.023."""
+    with torch.no_grad():
+        weight.normal_(0.0, 0.023)
+
+
+def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
+          record: bool) -> quantize.Float8Data:
+    """Cast with the delayed scale ``state.scale[index]`` (recording the amax when
+    asked) or, for current scaling, with the tensor's own amax."""
+    if plan.delayed:
+        if record:
+            state.record_amax(index, quantize.amax(x))
+        return quantize.cast_to_fp8(x, state.scale[index:index + 1], dtype)
+    return quantize.cast_to_fp8(x, quantize.current_scale(quantize.amax(x), dtype), dtype)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """``y = x W^T + b`` with FP8 forward, dgrad and wgrad GEMMs.
+
+    Saves the FP8 copies of x and W (not the high-precision ones) for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype):
+        fmt = plan.recipe.fp8_format.value
+        state = fp8_meta["scaling_fwd"] if plan.delayed else None
+        i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
+        with torch.autocast(x.device.type, enabled=False):
+            x_fp8 = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax)
+            w_fp8 = _cast(weight, plan, state, i + 1, fmt.dtype_fwd, plan.record_amax)
+            y = quantize.fp8_gemm(x_fp8, w_fp8, out_dtype, bias=bias, use_fast_accum=True)
+        ctx.save_for_backward(x_fp8.data, x_fp8.scale_inv, w_fp8.data, w_fp8.scale_inv)
+        ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        plan: ForwardPlan = ctx.plan
+        fmt = plan.recipe.fp8_format.value
+        state = ctx.fp8_meta["scaling_bwd"] if plan.delayed else None
+        i = TransformerEngineBaseModule.BWD_TENSORS_PER_GEMM * ctx.gemm
+        with torch.autocast(dy.device.type, enabled=False):
+            dy = dy.contiguous()
+            dy_fp8 = _cast(dy, plan, state, i, fmt.dtype_bwd, record=True)
+            x_fp8 = quantize.Float8Data(x_data, x_scale_inv)
+            w_fp8 = quantize.Float8Data(w_data, w_scale_inv)
+            dgrad = wgrad = dbias = None
+            if ctx.needs_input_grad[0]:
+                dgrad = quantize.fp8_gemm(dy_fp8, w_fp8.t_contiguous(), ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                wgrad = quantize.fp8_gemm(dy_fp8.t_contiguous(), x_fp8.t_contiguous(), ctx.w_dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                dbias = dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        if plan.bwd_session is not None:
+            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False,
+                                                                session=plan.bwd_session)
+        return dgrad, wgrad, dbias, None, None, None, None
+
+
+def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               plan: ForwardPlan, fp8_meta: dict, gemm: int = 0) -> torch.Tensor:
+    """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
+    ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
+    slots in the module's scaling state."""
+    in_features, out_features = weight.shape[1], weight.shape[0]
+    if x.shape[-1] != in_features:
+        raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
+                         f"got input of shape {tuple(x.shape)}")
+    if not plan.fp8:
+        if plan.record_amax:
+            state = fp8_meta["scaling_fwd"]
+            i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
+            state.record_amax(i, quantize.amax(x))
+            state.record_amax(i + 1, quantize.amax(weight))
+        return F.linear(x, weight, bias)
+    out_dtype = activation_dtype(x)
+    if out_dtype not in _ACT_DTYPES:
+        raise TypeError(f"{api}: FP8 GEMMs produce float32, bfloat16 or float16; got an input "
+                        f"of dtype {x.dtype} (use one of {_ACT_DTYPES} or torch.autocast)")
+    x2d = x.reshape(-1, in_features)
+    quantize.check_gemm_shape(api, x2d.shape[0], in_features, out_features,
+                              f"input of shape {tuple(x.shape)}")
+    y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype)
+    return y.view(*x.shape[:-1], out_features)
+
+
+class Linear(TransformerEngineBaseModule):
+    """``y = x W^T + b``, in FP8 inside an enabled ``te.autocast``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+    bias : bool, default True
+    params_dtype : torch.dtype, optional
+        float32 or bfloat16; ``torch.get_default_dtype()`` when None.
+    device : torch.device, optional
+        CUDA if available, else CPU, when None.
+    return_bias : bool, default False
+        Return ``(x W^T, b)`` instead of adding the bias, so it can be fused later.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 params_dtype: Optional[torch.dtype] = None, device=None,
+                 return_bias: bool = False):
+        super().__init__(num_gemms=1)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"te.Linear: {name} must be a positive int, got {v!r}")
+        dtype = check_params_dtype("te.Linear", params_dtype)
+        device = default_device(device)
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
+                                                     device=device))
+        init_weight_(self.weight)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, inp: torch.Tensor):
+        if not torch.is_tensor(inp):
+            raise TypeError(f"te.Linear: input must be a tensor, got {type(inp).__name__}")
+        with self.prepare_forward(inp) as plan:
+            fused_bias = None if self.return_bias else self.bias
+            out = fp8_linear("te.Linear", inp, self.weight, fused_bias, plan, self.fp8_meta)
+        if self.return_bias:
+            return out, self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}")
+

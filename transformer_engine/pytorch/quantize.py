@@ -1,0 +1,157 @@
+"""Stateless FP8 math: saturating casts, amax, the FP8 GEMM, and the
+delayed-scaling formulas (amax from history, scale from amax, history roll).
+
+Nothing here reads or writes global state; `fp8.py` decides *which* scale to use
+and *where* an amax is recorded, the module files decide *what* is cast.
+
+NOTE [GEMM vocabulary]
+    For a linear layer ``y = x W^T`` (x: [M, K], W: [N, K], y: [M, N]):
+    forward  ``y     = x  @ W^T``  (x, W in the forward FP8 type)
+    dgrad    ``dx    = dy @ W``    (dy in the backward FP8 type)
+    wgrad    ``dW    = dy^T @ x``
+    Every FP8 GEMM here is written ``a @ b^T`` with both operands row-major
+    ``[rows, K]``; `fp8_gemm` hands ``b`` to ``torch._scaled_mm`` column-major.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "current_scale",
+    "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax", "roll_amax_history",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    return torch.finfo(dtype).max
+
+
+class Float8Data(NamedTuple):
+    """An FP8 tensor: ``data`` (an FP8 dtype) and the ``scale_inv`` that turns it
+    back into real values (``real = data * scale_inv``)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+
+    def t_contiguous(self) -> "Float8Data":
+        """The transposed copy, row-major, with the same scale."""
+        return Float8Data(self.data.t().contiguous(), self.scale_inv)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a float32 scalar tensor (0 for an empty tensor)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Float8Data:
+    """Quantize ``x`` with ``scale``: ``fp8(clamp(x * scale, -max, max))``.
+
+    Saturating: a value beyond the range becomes +-max, never inf (NaN stays NaN).
+    ``scale`` is a one-element float32 tensor; ``scale_inv`` is a fresh tensor, so
+    later scale updates do not change the meaning of the returned data.
+    """
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"cast_to_fp8: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    limit = fp8_max(dtype)
+    scaled = x.detach().to(torch.float32) * scale
+    data = torch.clamp(scaled, -limit, limit).to(dtype)
+    return Float8Data(data, torch.reciprocal(scale.to(torch.float32)).reshape(1))
+
+
+def current_scale(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scale of current scaling: ``fp8_max / amax`` (1 where amax is 0 or not finite),
+    clamped to the float32 range. Returns a one-element float32 tensor."""
+    amax_value = amax_value.to(torch.float32).reshape(1)
+    scale = fp8_max(dtype) / amax_value
+    ok = (amax_value > 0) & torch.isfinite(amax_value)
+    return torch.where(ok, scale, torch.ones_like(scale)).clamp(max=_FP32_MAX)
+
+
+def check_gemm_shape(api: str, m: int, k: int, n: int, what: str) -> None:
+    """FP8 GEMMs (cuBLASLt, and ``torch._scaled_mm`` on CUDA) need every dimension of
+    forward, dgrad and wgrad divisible by 16. Raise a ``ValueError`` that names the
+    shape instead of failing deep inside the kernel (or, on CPU, silently passing)."""
+    bad = {name: v for name, v in (("M", m), ("K", k), ("N", n)) if v % 16 != 0}
+    if bad:
+        dims = ", ".join(f"{name}={v}" for name, v in bad.items())
+        raise ValueError(
+            f"{api}: an FP8 GEMM needs M (tokens), K (in features) and N (out features) "
+            f"divisible by 16; got {what} with M={m}, K={k}, N={n} ({dims} not divisible). "
+            "Pad the batch/sequence or change the layer size, or run this layer outside "
+            "te.autocast.")
+
+
+def fp8_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
+    """``a @ b^T`` for FP8 operands ``a: [M, K]`` and ``b: [N, K]`` (both row-major),
+    dequantized by their ``scale_inv``, accumulated in float32, written in ``out_dtype``.
+
+    Runs ``torch._scaled_mm`` on CPU and CUDA alike.
+    """
+    ad, bd = a.data, b.data
+    if ad.dim() != 2 or bd.dim() != 2:
+        raise ValueError(f"fp8_gemm: operands must be 2-D, got {tuple(ad.shape)} and {tuple(bd.shape)}")
+    if ad.dtype not in FP8_DTYPES or bd.dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_gemm: operands must be FP8, got {ad.dtype} and {bd.dtype}")
+    if ad.dtype == torch.float8_e5m2 and bd.dtype == torch.float8_e5m2:
+        raise TypeError("fp8_gemm: an E5M2 x E5M2 GEMM is not supported; one operand must be E4M3")
+    if ad.shape[1] != bd.shape[1]:
+        raise ValueError(f"fp8_gemm: inner dimensions differ: a is {tuple(ad.shape)}, "
+                         f"b is {tuple(bd.shape)} (computing a @ b^T)")
+    if out_dtype not in _GEMM_OUT_DTYPES:
+        raise TypeError(f"fp8_gemm: out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
+    check_gemm_shape("fp8_gemm", ad.shape[0], ad.shape[1], bd.shape[0],
+                     f"a {tuple(ad.shape)} @ b^T {tuple(bd.shape)}")
+    if bias is not None:
+        bias = bias.to(out_dtype)
+    return torch._scaled_mm(
+        ad.contiguous(), bd.contiguous().t(),
+        scale_a=a.scale_inv, scale_b=b.scale_inv,
+        bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+# ---- delayed scaling: the formulas, on concatenated buffers ----------------------
+
+def amax_from_history(history: torch.Tensor, algo) -> torch.Tensor:
+    """The amax each scale is computed from. ``history`` is ``[L, n]`` with row 0
+    the live (most recent) row; returns ``[n]``."""
+    if algo == "max":
+        return history.amax(dim=0)
+    if algo == "most_recent":
+        return history[0].clone()
+    out = algo(history)
+    if not isinstance(out, torch.Tensor) or out.shape != history.shape[1:]:
+        raise ValueError("DelayedScaling.amax_compute_algo: a callable must return a tensor "
+                         f"of shape {tuple(history.shape[1:])}, got "
+                         f"{getattr(out, 'shape', type(out))}")
+    return out.to(torch.float32)
+
+
+def scale_from_amax(amax_value: torch.Tensor, scale: torch.Tensor, max_value: float,
+                    margin: int) -> torch.Tensor:
+    """``(fp8_max / amax) / 2**margin``; keeps the old scale where amax is 0, NaN or
+    inf, and clamps an infinite result to the float32 maximum."""
+    new = (max_value / amax_value) / (2.0 ** margin)
+    ok = (amax_value > 0) & torch.isfinite(amax_value)
+    return torch.where(ok, new, scale).clamp(max=_FP32_MAX)
+
+
+def roll_amax_history(history: torch.Tensor) -> torch.Tensor:
+    """Advance the history by one step: rows shift up by one (row 0 goes to the
+    end) and the new live row 0 is zeroed. Returns a new tensor."""
+    rolled = torch.roll(history, shifts=-1, dims=0)
+    rolled[0].zero_()
+    return rolled
