@@ -73,8 +73,10 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Flo
 
 def current_scale(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Scale of current scaling: ``fp8_max / amax`` (1 where amax is 0 or not finite),
-    clamped to the float32 range. Returns a one-element float32 tensor."""
-    amax_value = amax_value.to(torch.float32).reshape(1)
+    clamped to the float32 range. A scalar amax gives a one-element tensor."""
+    amax_value = amax_value.to(torch.float32)
+    if amax_value.dim() == 0:
+        amax_value = amax_value.reshape(1)
     scale = fp8_max(dtype) / amax_value
     ok = (amax_value > 0) & torch.isfinite(amax_value)
     return torch.where(ok, scale, torch.ones_like(scale)).clamp(max=_FP32_MAX)
