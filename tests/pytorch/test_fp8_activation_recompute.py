@@ -1,0 +1,214 @@
+"""The regression matrix of the seed: activation checkpointing keeps FP8 delayed-scaling
+state when the FP8 autocast is opened inside the checkpointed callable.
+
+Every case runs for reentrant and non-reentrant checkpointing. "Invariance" compares a
+three-step training run with checkpointing against the same run without it, bit for bit.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch import distributed
+from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, RecomputeStateError
+from utils import DEVICES, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+
+REENTRANT = [pytest.param(True, id="reentrant"), pytest.param(False, id="non-reentrant")]
+STASH_KEY = "global_fp8_buffer_pos_fwd_recompute"
+
+
+def _queries():
+    return (distributed.is_fp8_activation_recompute_enabled(),
+            distributed.in_fp8_activation_recompute_phase())
+
+
+# ---- the seed's three cases ------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_inner_fp8_autocast(use_reentrant, device):
+    layer = te.Linear(32, 32, device=device)
+    seen = []
+
+    def fn(x):
+        seen.append(("outside", _queries()))
+        with te.autocast(recipe=DelayedScaling()):
+            seen.append(("inside", _queries()))
+            y = layer(x)
+        seen.append(("outside", _queries()))
+        return y
+
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    y = te.checkpoint(fn, x, use_reentrant=use_reentrant)
+    assert _queries() == (False, False)
+    loss = y.float().pow(2).sum()
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(t.grad).all() for t in (x, layer.weight, layer.bias))
+    assert STASH_KEY in layer.fp8_meta
+    assert seen == [("outside", (False, False)), ("inside", (True, False)), ("outside", (False, False)),
+                    ("outside", (False, True)), ("inside", (True, True)), ("outside", (False, True))]
+    assert _queries() == (False, False)
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_fully_non_fp8(use_reentrant):
+    l1, l2 = te.Linear(32, 32, device="cpu"), te.Linear(32, 16, device="cpu")
+    seen = []
+
+    def fn(x):
+        seen.append(_queries())
+        return l2(torch.relu(l1(x)))
+
+    x = torch.randn(16, 32, requires_grad=True)
+    loss = te.checkpoint(fn, x, use_reentrant=use_reentrant).pow(2).sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and torch.isfinite(l1.weight.grad).all()
+    assert STASH_KEY not in l1.fp8_meta and STASH_KEY not in l2.fp8_meta
+    assert l1.fp8_meta["scaling_fwd"] is None
+    assert seen == [(False, False), (False, True)]
+    assert distributed.recompute_stash_count() == 0
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_mixed_fp8_and_non_fp8(use_reentrant):
+    plain, fp8 = te.Linear(32, 32, device="cpu"), te.Linear(32, 16, device="cpu")
+
+    def fn(x):
+        h = torch.relu(plain(x))
+        with te.autocast(recipe=DelayedScaling()):
+            return fp8(h)
+
+    x = torch.randn(16, 32, requires_grad=True)
+    loss = te.checkpoint(fn, x, use_reentrant=use_reentrant).pow(2).sum()
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(plain.weight.grad).all()
+    assert STASH_KEY in fp8.fp8_meta and STASH_KEY not in plain.fp8_meta
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_current_scaling_stashes_nothing(use_reentrant):
+    layer = te.Linear(32, 32, device="cpu")
+
+    def fn(x):
+        with te.autocast(recipe=Float8CurrentScaling()):
+            return layer(x)
+
+    x = torch.randn(16, 32, requires_grad=True)
+    te.checkpoint(fn, x, use_reentrant=use_reentrant).sum().backward()
+    assert STASH_KEY not in layer.fp8_meta and torch.isfinite(layer.weight.grad).all()
+
+
+# ---- invariance: with and without checkpointing, bit for bit -----------------------------
+
+class Net(torch.nn.Module):
+    """pre -> region(a, b) -> post, with the FP8 autocast where ``placement`` says."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.pre, self.a, self.b, self.post = (te.Linear(32, 32, device=device) for _ in range(4))
+
+    def forward(self, x, recipe, placement, checkpoint, use_reentrant, probe):
+        def region(h):
+            probe.append(self.a.fp8_meta["scaling_fwd"].scale.clone()
+                         if self.a.fp8_meta["scaling_fwd"] is not None else None)
+            if placement == "outer":
+                return self.b(torch.relu(self.a(h)))
+            if placement == "inner":
+                with te.autocast(recipe=recipe):
+                    return self.b(torch.relu(self.a(h)))
+            h = torch.relu(self.a(h))            # mixed: a in high precision, b in FP8
+            with te.autocast(recipe=recipe):
+                return self.b(h)
+
+        outer = te.autocast(recipe=recipe) if placement == "outer" else contextlib.nullcontext()
+        with outer:
+            h = self.pre(x)
+            h = te.checkpoint(region, h, use_reentrant=use_reentrant) if checkpoint else region(h)
+            return self.post(torch.tanh(h))
+
+
+def _train(device, recipe, placement, checkpoint, use_reentrant, steps=3):
+    torch.manual_seed(0)
+    net = Net(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    modules = [net.pre, net.a, net.b, net.post]
+    record, probe = [], []
+    for step in range(steps):
+        x = (torch.randn(16, 32, device=device) * (2.0 ** step)).requires_grad_()
+        loss = net(x, recipe, placement, checkpoint, use_reentrant, probe).float().pow(2).mean()
+        loss.backward()
+        record.append({"loss": loss.detach().clone(), "x_grad": x.grad.clone(),
+                       "grads": [p.grad.clone() for p in net.parameters()],
+                       "states": fp8_state_snapshot(modules)})
+        opt.step()
+        opt.zero_grad()
+    return record, probe
+
+
+def _assert_runs_equal(ref, got):
+    for step, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a["loss"], b["loss"]), f"step {step}: loss {a['loss']} vs {b['loss']}"
+        assert torch.equal(a["x_grad"], b["x_grad"]), f"step {step}: input grad"
+        assert_tensors_equal(a["grads"], b["grads"], f"step {step}: parameter grads")
+        assert_states_equal(a["states"], b["states"], f"step {step}: FP8 state")
+
+
+RECIPES = [pytest.param(DelayedScaling(amax_history_len=3), id="delayed"),
+           pytest.param(DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent", margin=1),
+                        id="delayed-most-recent"),
+           pytest.param(Float8CurrentScaling(), id="current")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("placement", ["outer", "inner", "mixed"])
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_invariance(use_reentrant, placement, recipe, device):
+    ref, ref_probe = _train(device, recipe, placement, False, use_reentrant)
+    got, probe = _train(device, recipe, placement, True, use_reentrant)
+    assert len(ref_probe) == 3 and len(probe) == 6      # the recompute ran once per step
+    _assert_runs_equal(ref, got)
+    if recipe.delayed() and placement != "mixed":
+        # Between each first forward and its recompute the live forward scale moved, so
+        # equality proves the recompute used the stashed scale.
+        for step in range(3):
+            first, at_recompute = probe[2 * step], probe[2 * step + 1]
+            if first is not None:
+                assert not torch.equal(first, at_recompute), f"step {step}: scale did not move"
+        assert probe[1] is not None
+    assert distributed.recompute_stash_count() == 0
+
+
+# ---- the behaviour before the seed's change --------------------------------------------
+
+@contextlib.contextmanager
+def _region_sampled_at_entry(monkeypatch):
+    """Make the region flag what it was before the seed: 'FP8 enabled at checkpoint entry'."""
+    real = distributed._recompute_region
+
+    @contextlib.contextmanager
+    def sampled(frame, recomputing, training_under_no_grad=None):
+        fp8_at_entry = FP8GlobalStateManager.is_fp8_enabled()
+        with real(frame, recomputing, training_under_no_grad):
+            distributed._in_recompute_region = fp8_at_entry
+            yield
+
+    monkeypatch.setattr(distributed, "_recompute_region", sampled)
+    yield
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_old_behaviour_fails_for_inner_autocast(use_reentrant, monkeypatch):
+    """Sampling the FP8 state at checkpoint entry (the pre-seed code) loses the stash of an
+    inner-autocast region: its recompute finds no FP8 state. The outer case still works."""
+    with _region_sampled_at_entry(monkeypatch):
+        ref, _ = _train("cpu", DelayedScaling(), "outer", False, use_reentrant, steps=2)
+        got, _ = _train("cpu", DelayedScaling(), "outer", True, use_reentrant, steps=2)
+        _assert_runs_equal(ref, got)
+        with pytest.raises(RecomputeStateError, match="the first forward stashed no FP8 state"):
+            _train("cpu", DelayedScaling(), "inner", True, use_reentrant, steps=1)
+    # ... and with the seed's change the same inner case passes (test_invariance).
