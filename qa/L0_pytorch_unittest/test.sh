@@ -4,15 +4,8 @@
 # file, collects the failures and exits non-zero if any failed.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="${TE_VENV:-$ROOT/.venv}"
-PY="${PYTHON:-python3}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PY" -m venv "$VENV" || exit 1
-fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-"$VENV/bin/python" -m pip install -q "torch==2.13.0" || exit 1
-"$VENV/bin/python" -m pip install -q -c <(echo "torch==2.13.0") -e "$ROOT[test]" || exit 1
+# shellcheck source=../make_venv.sh
+source "$ROOT/qa/make_venv.sh" test || exit 1
 
 cd "$ROOT" || exit 1
 TESTS=(
@@ -26,7 +19,7 @@ TESTS=(
 FAILED=()
 for t in "${TESTS[@]}"; do
     echo "=== $t"
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$t" || FAILED+=("$t")
+    "$VENV_PY" -m pytest -q -p no:cacheprovider "$t" || FAILED+=("$t")
 done
 
 if [ ${#FAILED[@]} -gt 0 ]; then

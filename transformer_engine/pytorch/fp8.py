@@ -18,7 +18,6 @@ NOTE [Delayed-scaling update order]
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
