@@ -52,7 +52,9 @@ def test_fp8_linear_matches_float64_on_fp8_operands(device, recipe, dtype):
             "db": dy2.double().sum(0)}
     got = {"y": y.reshape(-1, 48), "dx": x.grad.reshape(-1, 64), "dw": m.weight.grad, "db": m.bias.grad}
     # Within the output dtype's rounding (plus float32 accumulation order).
-    rel = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    # On CUDA, float32 outputs are limited by the tensor cores' FP8 accumulation (see
+    # test_quantize.CUDA_FP8_ACCUM_REL): measured up to 6.8e-5 on an H200.
+    rel = 2.0 ** -8 if dtype == torch.bfloat16 else (1e-5 if device == "cpu" else 2.0 ** -11)
     for k, ref in refs.items():
         assert got[k].dtype == dtype, k
         err = (got[k].double() - ref).abs().max() / ref.abs().max()

@@ -7,6 +7,9 @@ from transformer_engine.pytorch import quantize
 from utils import DEVICES
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Hopper's FP8 tensor cores accumulate with about 14 mantissa bits (DeepSeek-V3 report,
+# sec. 3.3.2), not full float32: measured here up to 1.4e-4 of max|ref| at K=64 on an H200.
+CUDA_FP8_ACCUM_REL = 2.0 ** -11
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -63,8 +66,8 @@ def test_fp8_gemm_matches_float64_on_dequantized_operands(device, out_dtype):
     y = quantize.fp8_gemm(a, b, out_dtype, bias=bias)
     ref = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t() + bias.to(out_dtype).double()
     assert y.dtype == out_dtype and y.shape == (32, 48)
-    tol = 1e-5 if out_dtype == torch.float32 else 2 ** -8
-    assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-5).all()
+    tol = 2 ** -8 if out_dtype == torch.bfloat16 else (1e-5 if device == "cpu" else CUDA_FP8_ACCUM_REL)
+    assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
 def test_fp8_gemm_rejects_bad_operands():

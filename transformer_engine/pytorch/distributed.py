@@ -513,21 +513,18 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
 
 
 def _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs):
-    """torch's non-reentrant checkpoint (which replays torch RNG and autocast state),
-    without early stop, with our phase contexts around both phases."""
-    calls: List[_CheckpointCall] = []
-
-    def contexts():
-        call = _CheckpointCall(function, tracker, context_fn, torch_generators=False)
-        calls.append(call)
-        return (_ReusableContext(functools.partial(call.phase1, reentrant=False)),
-                _ReusableContext(functools.partial(call.recompute, torch_state=False)))
-
-    with torch_checkpoint.set_checkpoint_early_stop(False):
-        outputs = torch_checkpoint.checkpoint(function, *args, use_reentrant=False,
-                                              context_fn=contexts, preserve_rng_state=True,
-                                              **kwargs)
-    if calls and calls[0].training and not _any_requires_grad(outputs):
+    """torch's non-reentrant checkpoint (saved-tensor hooks; it replays torch's RNG and
+    autocast state), without early stop. Our phase-1 context is entered here, around
+    the whole call, not handed to torch as its forward context: torch enters that one
+    inside a generator that is not closed when the function raises, which would leave
+    the recompute flags set."""
+    call = _CheckpointCall(function, tracker, context_fn, torch_generators=False)
+    recompute_ctx = _ReusableContext(functools.partial(call.recompute, torch_state=False))
+    with call.phase1(reentrant=False), torch_checkpoint.set_checkpoint_early_stop(False):
+        outputs = torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=True,
+            context_fn=lambda: (contextlib.nullcontext(), recompute_ctx), **kwargs)
+    if call.training and not _any_requires_grad(outputs):
         raise RuntimeError(
             "te.checkpoint: no output of the checkpointed function requires grad, so there "
             "is nothing to backpropagate through it; call the function directly instead "

@@ -117,12 +117,15 @@ def fp8_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
         raise TypeError(f"fp8_gemm: out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
     check_gemm_shape("fp8_gemm", ad.shape[0], ad.shape[1], bd.shape[0],
                      f"a {tuple(ad.shape)} @ b^T {tuple(bd.shape)}")
-    if bias is not None:
-        bias = bias.to(out_dtype)
-    return torch._scaled_mm(
+    # cuBLASLt takes a bias only for 16-bit outputs; a float32 output adds it after.
+    fused_bias = bias.to(out_dtype) if bias is not None and out_dtype != torch.float32 else None
+    out = torch._scaled_mm(
         ad.contiguous(), bd.contiguous().t(),
         scale_a=a.scale_inv, scale_b=b.scale_inv,
-        bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        bias=fused_bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    if bias is not None and fused_bias is None:
+        out += bias.to(out_dtype)
+    return out
 
 
 # ---- delayed scaling: the formulas, on concatenated buffers ----------------------
