@@ -295,7 +295,7 @@ class _CheckpointCall:
     def __init__(self, function: Callable, tracker, context_fn, torch_generators: bool):
         self.function = function
         self.frame = _RecomputeFrame()
-        self.training = torch.is_grad_enabled()
+        self.training = is_training_forward()   # a call nested in a reentrant phase 1 inherits it
         self.rng = _RngSnapshot(tracker, torch_generators)
         self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()
         self.autocast = _autocast_snapshot()
@@ -524,7 +524,7 @@ def _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs):
         outputs = torch_checkpoint.checkpoint(
             function, *args, use_reentrant=False, preserve_rng_state=True,
             context_fn=lambda: (contextlib.nullcontext(), recompute_ctx), **kwargs)
-    if call.training and not _any_requires_grad(outputs):
+    if torch.is_grad_enabled() and not _any_requires_grad(outputs):
         raise RuntimeError(
             "te.checkpoint: no output of the checkpointed function requires grad, so there "
             "is nothing to backpropagate through it; call the function directly instead "
