@@ -1,13 +1,17 @@
 """``import transformer_engine.pytorch as te``: the public names, as TE spells them."""
 
 from . import distributed
+from .attention import DotProductAttention, MultiheadAttention
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .fp8 import (FP8GlobalStateManager, autocast, fp8_autocast, get_default_fp8_recipe,
                   is_fp8_available)
-from .module import Linear, TransformerEngineBaseModule
+from .module import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,
+                     TransformerEngineBaseModule)
+from .transformer import TransformerLayer
 
 __all__ = [
     "distributed", "checkpoint", "CudaRNGStatesTracker", "FP8GlobalStateManager",
     "autocast", "fp8_autocast", "get_default_fp8_recipe", "is_fp8_available",
-    "Linear", "TransformerEngineBaseModule",
+    "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
+    "DotProductAttention", "MultiheadAttention", "TransformerLayer", "TransformerEngineBaseModule",
 ]

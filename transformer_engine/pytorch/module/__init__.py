@@ -1,6 +1,10 @@
 """TE modules."""
 
 from .base import TransformerEngineBaseModule
+from .layernorm import LayerNorm, RMSNorm
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 
-__all__ = ["TransformerEngineBaseModule", "Linear"]
+__all__ = ["TransformerEngineBaseModule", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
+           "LayerNormMLP"]
