@@ -1,4 +1,13 @@
-"""te.LayerNorm and te.RMSNorm, and the normalization helper the fused modules share."""
+"""te.LayerNorm and te.RMSNorm, and the normalization that LayerNormLinear and
+LayerNormMLP put in front of their first GEMM.
+
+Normalization has no GEMM, so FP8 does not touch it. It computes in float32
+whatever the parameter and input dtypes, and returns the activation dtype (the
+``torch.autocast`` dtype when autocast is on, else the input's), as TE's fused
+kernels do. ``zero_centered_gamma`` stores ``gamma - 1``: the weight starts at 0 and
+the normalization multiplies by ``1 + weight``, which keeps weight decay from
+pulling the gain towards 0.
+"""
 
 from __future__ import annotations
 
@@ -7,81 +16,129 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .base import default_device
+from .base import activation_dtype, default_device
 from .linear import check_params_dtype
 
-__all__ = ["LayerNorm", "RMSNorm", "NORMALIZATIONS", "make_norm_params", "apply_norm"]
+__all__ = ["LayerNorm", "RMSNorm", "NORMALIZATIONS", "normalize", "check_normalization",
+           "check_eps", "check_positive_int", "check_input"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
-def check_normalization(api: str, normalization: str) -> None:
+def check_positive_int(api: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{api}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_normalization(api: str, normalization) -> str:
     if normalization not in NORMALIZATIONS:
-        raise ValueError(f"{api}: normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+        raise ValueError(f"{api}: normalization must be one of {NORMALIZATIONS}, "
+                         f"got {normalization!r}")
+    return normalization
 
 
-def make_norm_params(normalization: str, hidden_size: int, zero_centered_gamma: bool,
-                     dtype: torch.dtype, device) -> tuple:
-    """(weight, bias-or-None) parameters; with ``zero_centered_gamma`` the weight
-    starts at 0 and the norm scales by ``1 + weight``."""
-    init = torch.zeros if zero_centered_gamma else torch.ones
-    weight = torch.nn.Parameter(init(hidden_size, dtype=dtype, device=device))
-    bias = None
+def check_eps(api: str, eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{api}: eps must be a positive float, got {eps!r}")
+    return float(eps)
+
+
+def check_input(api: str, inp, features: int, name: str = "hidden_size") -> None:
+    """A tensor whose last dimension is ``features``."""
+    if not torch.is_tensor(inp):
+        raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
+    if inp.dim() == 0 or inp.shape[-1] != features:
+        raise ValueError(f"{api}: the input's last dimension must be {name}={features}, "
+                         f"got input of shape {tuple(inp.shape)}")
+
+
+def normalize(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              normalization: str, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    """LayerNorm (``(x - mean) / sqrt(var + eps) * gamma + beta``) or RMSNorm
+    (``x / sqrt(mean(x^2) + eps) * gamma``) over the last dimension, in float32;
+    ``gamma = 1 + weight`` when ``zero_centered_gamma``. Returns the activation dtype."""
+    out_dtype = activation_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        x32 = x.to(torch.float32)
+        gamma = weight.to(torch.float32)
+        if zero_centered_gamma:
+            gamma = gamma + 1.0
+        shape = (x.shape[-1],)
+        if normalization == "LayerNorm":
+            beta = bias.to(torch.float32) if bias is not None else None
+            y = F.layer_norm(x32, shape, gamma, beta, eps)
+        else:
+            y = F.rms_norm(x32, shape, gamma, eps)
+    return y.to(out_dtype)
+
+
+def make_norm_params(module: torch.nn.Module, hidden_size: int, normalization: str,
+                     zero_centered_gamma: bool, dtype: torch.dtype, device,
+                     weight_name: str, bias_name: str) -> None:
+    """Register the gain (and, for LayerNorm, the shift) of a normalization under the
+    given names, initialized as TE does (gain 1, or 0 when zero-centered; shift 0)."""
+    fill = 0.0 if zero_centered_gamma else 1.0
+    module.register_parameter(weight_name, torch.nn.Parameter(
+        torch.full((hidden_size,), fill, dtype=dtype, device=device)))
     if normalization == "LayerNorm":
-        bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-    return weight, bias
-
-
-def apply_norm(x: torch.Tensor, normalization: str, weight: torch.Tensor,
-               bias: Optional[torch.Tensor], eps: float, zero_centered_gamma: bool) -> torch.Tensor:
-    gamma = weight + 1 if zero_centered_gamma else weight
-    if normalization == "LayerNorm":
-        return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
-    return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+        module.register_parameter(bias_name, torch.nn.Parameter(
+            torch.zeros(hidden_size, dtype=dtype, device=device)))
+    else:
+        module.register_parameter(bias_name, None)
 
 
 class _Norm(torch.nn.Module):
-    _kind = ""
+    _NORMALIZATION = ""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype=None,
-                 zero_centered_gamma: bool = False, device=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 device=None):
         super().__init__()
-        api = f"te.{self._kind}"
-        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
-            raise ValueError(f"{api}: hidden_size must be a positive int, got {hidden_size!r}")
+        api = f"te.{self._NORMALIZATION}"
+        self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
+        self.eps = check_eps(api, eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
         dtype = check_params_dtype(api, params_dtype)
-        self.hidden_size, self.eps, self.zero_centered_gamma = hidden_size, eps, zero_centered_gamma
-        self.weight, bias = make_norm_params(self._kind, hidden_size, zero_centered_gamma, dtype,
-                                             default_device(device))
-        if bias is not None:
-            self.bias = bias
+        make_norm_params(self, hidden_size, self._NORMALIZATION, self.zero_centered_gamma,
+                         dtype, default_device(device), "weight", "bias")
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if inp.shape[-1] != self.hidden_size:
-            raise ValueError(f"te.{self._kind}: the input's last dimension must be "
-                             f"hidden_size={self.hidden_size}, got shape {tuple(inp.shape)}")
-        return apply_norm(inp, self._kind, self.weight, getattr(self, "bias", None), self.eps,
-                          self.zero_centered_gamma)
+        check_input(f"te.{self._NORMALIZATION}", inp, self.hidden_size)
+        return normalize(inp, self.weight, self.bias, self._NORMALIZATION, self.eps,
+                         self.zero_centered_gamma)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, eps={self.eps}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
 
 
 class LayerNorm(_Norm):
-    """``(x - mean) / sqrt(var + eps) * gamma + beta`` over the last dimension.
+    """``y = (x - mean) / sqrt(var + eps) * gamma + beta`` over the last dimension.
 
     Parameters
     ----------
     hidden_size : int
     eps : float, default 1e-5
     params_dtype : torch.dtype, optional
+        float32 or bfloat16; ``torch.get_default_dtype()`` when None.
     zero_centered_gamma : bool, default False
-        Store ``gamma - 1`` (initialized to 0), which keeps small weights exact in low precision.
+        Store ``gamma - 1`` in ``weight`` (initialized to 0) and scale by ``1 + weight``.
     device : torch.device, optional
+        CUDA if available, else CPU, when None.
     """
 
-    _kind = "LayerNorm"
+    _NORMALIZATION = "LayerNorm"
 
 
 class RMSNorm(_Norm):
-    """``x / sqrt(mean(x^2) + eps) * gamma`` over the last dimension; parameters as `LayerNorm`
-    (no bias)."""
+    """``y = x / sqrt(mean(x^2) + eps) * gamma`` over the last dimension (no shift,
+    so ``bias`` is None). Parameters as `LayerNorm`."""
 
-    _kind = "RMSNorm"
+    _NORMALIZATION = "RMSNorm"

@@ -1,21 +1,34 @@
-"""te.LayerNormLinear: a normalization followed by an (FP8) linear layer."""
+"""te.LayerNormLinear: a normalization (high precision) followed by one linear
+layer (FP8 inside an enabled ``te.autocast``), with TE's parameter names."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .base import TransformerEngineBaseModule, default_device
-from .layernorm import apply_norm, check_normalization, make_norm_params
+from .layernorm import (check_eps, check_input, check_normalization, check_positive_int,
+                        make_norm_params, normalize)
 from .linear import check_params_dtype, fp8_linear, init_weight_
 
-__all__ = ["LayerNormLinear"]
+__all__ = ["LayerNormLinear", "pack_outputs"]
+
+
+def pack_outputs(out: torch.Tensor, bias: Optional[torch.Tensor], return_bias: bool,
+                 ln_out: Optional[torch.Tensor]):
+    """TE's return convention: ``out``, then the bias when ``return_bias`` (cast to the
+    output dtype), then the normalization output when it was asked for."""
+    outputs = (out,)
+    if return_bias:
+        outputs += (bias.to(out.dtype) if bias is not None else None,)
+    if ln_out is not None:
+        outputs += (ln_out,)
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 class LayerNormLinear(TransformerEngineBaseModule):
-    """``Linear(Norm(x))``; the GEMM runs in FP8 inside an enabled ``te.autocast``,
-    the normalization in high precision.
+    """``y = Norm(x) W^T + b``; the GEMM in FP8 inside an enabled ``te.autocast``.
 
     Parameters
     ----------
@@ -24,38 +37,44 @@ class LayerNormLinear(TransformerEngineBaseModule):
     bias : bool, default True
     normalization : "LayerNorm" | "RMSNorm", default "LayerNorm"
     zero_centered_gamma : bool, default False
+        The norm scales by ``1 + layer_norm_weight`` (initialized to 0).
     return_layernorm_output : bool, default False
-        Also return the normalized input (e.g. for a residual taken after the norm).
+        Also return ``Norm(x)`` (e.g. for a residual taken after the norm).
     return_bias : bool, default False
-        Return the bias instead of adding it.
+        Return ``(Norm(x) W^T, b)`` instead of adding the bias.
+    init_method : callable, optional
+        ``init_method(weight)`` initializes ``weight``; normal(0, 0.023) when None.
     params_dtype : torch.dtype, optional
+        float32 or bfloat16; ``torch.get_default_dtype()`` when None.
     device : torch.device, optional
+        CUDA if available, else CPU, when None.
+
+    Returns
+    -------
+    ``out``, ``(out, bias)``, ``(out, ln_out)`` or ``(out, bias, ln_out)``.
     """
 
-    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
-                 normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
-                 return_layernorm_output: bool = False, return_bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, *,
+                 bias: bool = True, normalization: str = "LayerNorm",
+                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
+                 return_bias: bool = False, init_method: Optional[Callable] = None,
                  params_dtype: Optional[torch.dtype] = None, device=None):
         super().__init__(num_gemms=1)
         api = "te.LayerNormLinear"
-        check_normalization(api, normalization)
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{api}: {name} must be a positive int, got {v!r}")
+        self.in_features = check_positive_int(api, "in_features", in_features)
+        self.out_features = check_positive_int(api, "out_features", out_features)
+        self.eps = check_eps(api, eps)
+        self.normalization = check_normalization(api, normalization)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
+        self.use_bias = bias
         dtype = check_params_dtype(api, params_dtype)
         device = default_device(device)
-        self.in_features, self.out_features, self.eps = in_features, out_features, eps
-        self.normalization, self.zero_centered_gamma = normalization, zero_centered_gamma
-        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
-        self.layer_norm_weight, ln_bias = make_norm_params(normalization, in_features,
-                                                           zero_centered_gamma, dtype, device)
-        if ln_bias is not None:
-            self.layer_norm_bias = ln_bias
-        else:
-            self.register_parameter("layer_norm_bias", None)
+        make_norm_params(self, in_features, normalization, self.zero_centered_gamma, dtype,
+                         device, "layer_norm_weight", "layer_norm_bias")
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
                                                      device=device))
-        init_weight_(self.weight)
+        (init_method or init_weight_)(self.weight)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -63,19 +82,15 @@ class LayerNormLinear(TransformerEngineBaseModule):
 
     def forward(self, inp: torch.Tensor):
         api = "te.LayerNormLinear"
-        if not torch.is_tensor(inp):
-            raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
-        if inp.shape[-1] != self.in_features:
-            raise ValueError(f"{api}: the input's last dimension must be in_features="
-                             f"{self.in_features}, got input of shape {tuple(inp.shape)}")
+        check_input(api, inp, self.in_features, "in_features")
         with self.prepare_forward(inp) as plan:
-            ln_out = apply_norm(inp, self.normalization, self.layer_norm_weight,
-                                self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+            ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
+                               self.normalization, self.eps, self.zero_centered_gamma)
             fused_bias = None if self.return_bias else self.bias
             out = fp8_linear(api, ln_out, self.weight, fused_bias, plan, self.fp8_meta)
-        outputs = (out,)
-        if self.return_bias:
-            outputs += (self.bias,)
-        if self.return_layernorm_output:
-            outputs += (ln_out,)
-        return outputs[0] if len(outputs) == 1 else outputs
+        return pack_outputs(out, self.bias, self.return_bias,
+                            ln_out if self.return_layernorm_output else None)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"normalization={self.normalization}, bias={self.use_bias}")

@@ -1,42 +1,69 @@
-"""te.LayerNormMLP: Norm -> FC1 -> activation -> FC2, both GEMMs in FP8 under autocast."""
+"""te.LayerNormMLP: Norm -> FC1 -> activation -> FC2, both GEMMs in FP8 inside an
+enabled ``te.autocast``, each with its own delayed-scaling slots (FC1 is GEMM 0,
+FC2 is GEMM 1: forward slots ``[fc1 input, fc1 weight, fc2 input, fc2 weight]``,
+backward slots ``[fc1 grad_output, fc2 grad_output]``).
+
+The two GEMMs share the module's one `ForwardPlan`, but only FC1's backward (the
+last of the module's backward GEMMs to run) may trigger the session's backward
+update (NOTE [Delayed-scaling update order] in fp8.py): FC2 gets the plan without
+its ``bwd_session``, or the backward state would update twice in one step.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from .. import distributed
 from .base import TransformerEngineBaseModule, default_device
-from .layernorm import apply_norm, check_normalization, make_norm_params
+from .layernorm import (check_eps, check_input, check_normalization, check_positive_int,
+                        make_norm_params, normalize)
+from .layernorm_linear import pack_outputs
 from .linear import check_params_dtype, fp8_linear, init_weight_
 
-__all__ = ["LayerNormMLP", "ACTIVATIONS"]
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "activate"]
 
 
-def _gated(act):
-    def fn(x):
-        a, b = x.chunk(2, dim=-1)
-        return act(a) * b
-    return fn
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")      # TE's "gelu" is the tanh approximation
 
 
-_gelu = lambda x: F.gelu(x, approximate="tanh")
-ACTIVATIONS = {
-    "gelu": _gelu,
-    "relu": F.relu,
-    "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "srelu": lambda x: F.relu(x).square(),
-    "swiglu": _gated(F.silu),
-    "geglu": _gated(_gelu),
-    "reglu": _gated(F.relu),
+def _qgelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)       # "quick GELU"
+
+
+def _srelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))            # squared ReLU
+
+
+# name -> (elementwise function, gated). A gated activation splits FC1's output into
+# halves ``[a, b]`` along the last dimension and returns ``f(a) * b``, so FC1 has
+# ``2 * ffn_hidden_size`` outputs.
+ACTIVATIONS: Dict[str, Tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    "gelu": (_gelu, False), "geglu": (_gelu, True),
+    "qgelu": (_qgelu, False), "qgeglu": (_qgelu, True),
+    "relu": (F.relu, False), "reglu": (F.relu, True),
+    "srelu": (_srelu, False), "sreglu": (_srelu, True),
+    "silu": (F.silu, False), "swiglu": (F.silu, True),
 }
-_GATED = ("swiglu", "geglu", "reglu")
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Apply ``activation`` (a key of `ACTIVATIONS`) in float32; returns ``x.dtype``."""
+    fn, gated = ACTIVATIONS[activation]
+    x32 = x.to(torch.float32)
+    if gated:
+        a, b = x32.chunk(2, dim=-1)
+        return (fn(a) * b).to(x.dtype)
+    return fn(x32).to(x.dtype)
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
-    """``FC2(act(FC1(Norm(x))))``. Gated activations (``swiglu``, ``geglu``, ``reglu``)
-    split FC1's output in two halves, ``act(first) * second``.
+    """``y = act(Norm(x) W1^T + b1) W2^T + b2``; both GEMMs in FP8 inside an enabled
+    ``te.autocast``, the normalization and the activation in high precision.
 
     Parameters
     ----------
@@ -45,81 +72,102 @@ class LayerNormMLP(TransformerEngineBaseModule):
     bias : bool, default True
     normalization : "LayerNorm" | "RMSNorm", default "LayerNorm"
     activation : str, default "gelu"
-        One of gelu (tanh approximation, as TE), relu, qgelu, srelu, swiglu, geglu, reglu.
-    return_layernorm_output, return_bias, zero_centered_gamma, params_dtype, device
-        As in `LayerNormLinear`.
+        gelu (tanh approximation), relu, qgelu, srelu, silu, or a gated form geglu,
+        reglu, qgeglu, sreglu, swiglu (``f(first half) * second half`` of FC1's output).
+    zero_centered_gamma : bool, default False
+    return_layernorm_output : bool, default False
+        Also return ``Norm(x)``.
+    return_bias : bool, default False
+        Return FC2's bias instead of adding it.
+    init_method, output_layer_init_method : callable, optional
+        Initialize ``fc1_weight`` and ``fc2_weight``; normal(0, 0.023) when None.
+    params_dtype : torch.dtype, optional
+        float32 or bfloat16; ``torch.get_default_dtype()`` when None.
+    device : torch.device, optional
+        CUDA if available, else CPU, when None.
     checkpoint : bool, default False
-        Recompute this module's forward during backward (through ``te.checkpoint``,
-        non-reentrant) instead of keeping its activations.
+        Recompute FC1 -> activation -> FC2 during backward instead of keeping their
+        activations (through ``te.checkpoint``, non-reentrant, so FP8 scales are kept
+        right), whenever grad is enabled. The normalization output is kept.
+
+    Returns
+    -------
+    ``out``, then FC2's bias if ``return_bias``, then ``Norm(x)`` if
+    ``return_layernorm_output``.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, *,
                  bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
-                 return_layernorm_output: bool = False, return_bias: bool = False,
-                 zero_centered_gamma: bool = False, params_dtype: Optional[torch.dtype] = None,
-                 device=None, checkpoint: bool = False):
+                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
+                 return_bias: bool = False, init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None,
+                 params_dtype: Optional[torch.dtype] = None, device=None,
+                 checkpoint: bool = False):
         super().__init__(num_gemms=2)
         api = "te.LayerNormMLP"
-        check_normalization(api, normalization)
+        self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
+        self.ffn_hidden_size = check_positive_int(api, "ffn_hidden_size", ffn_hidden_size)
+        self.eps = check_eps(api, eps)
+        self.normalization = check_normalization(api, normalization)
         if activation not in ACTIVATIONS:
             raise ValueError(f"{api}: activation must be one of {sorted(ACTIVATIONS)}, "
                              f"got {activation!r}")
-        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{api}: {name} must be a positive int, got {v!r}")
+        if not isinstance(checkpoint, bool):
+            raise TypeError(f"{api}: checkpoint must be a bool, got {checkpoint!r}")
+        self.activation, self.checkpoint = activation, checkpoint
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
+        self.use_bias = bias
         dtype = check_params_dtype(api, params_dtype)
         device = default_device(device)
-        self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, eps
-        self.normalization, self.activation = normalization, activation
-        self.zero_centered_gamma = zero_centered_gamma
-        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
-        self.checkpoint = checkpoint
-        self.layer_norm_weight, ln_bias = make_norm_params(normalization, hidden_size,
-                                                           zero_centered_gamma, dtype, device)
-        if ln_bias is not None:
-            self.layer_norm_bias = ln_bias
-        else:
-            self.register_parameter("layer_norm_bias", None)
-        fc1_out = ffn_hidden_size * (2 if activation in _GATED else 1)
+        make_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, dtype,
+                         device, "layer_norm_weight", "layer_norm_bias")
+        fc1_out = ffn_hidden_size * (2 if ACTIVATIONS[activation][1] else 1)
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype,
                                                          device=device))
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size,
                                                          dtype=dtype, device=device))
-        init_weight_(self.fc1_weight)
-        init_weight_(self.fc2_weight)
+        (init_method or init_weight_)(self.fc1_weight)
+        (output_layer_init_method or init_weight_)(self.fc2_weight)
         if bias:
             self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device))
-            self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+            self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype,
+                                                           device=device))
         else:
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
 
-    def _forward(self, inp: torch.Tensor):
+    def _fc1_act_fc2(self, ln_out: torch.Tensor) -> torch.Tensor:
+        """FC1 -> activation -> FC2: the module's one FP8 forward (one prepare_forward)."""
         api = "te.LayerNormMLP"
-        with self.prepare_forward(inp) as plan:
-            ln_out = apply_norm(inp, self.normalization, self.layer_norm_weight,
-                                self.layer_norm_bias, self.eps, self.zero_centered_gamma)
-            h = fp8_linear(api, ln_out, self.fc1_weight, self.fc1_bias, plan, self.fp8_meta, gemm=0)
-            h = ACTIVATIONS[self.activation](h)
+        with self.prepare_forward(ln_out) as plan:
+            fc1_out = fp8_linear(api, ln_out, self.fc1_weight, self.fc1_bias, plan,
+                                 self.fp8_meta, gemm=0)
+            act_out = activate(fc1_out, self.activation)
+            fc2_plan = dataclasses.replace(plan, bwd_session=None)
             fc2_bias = None if self.return_bias else self.fc2_bias
-            out = fp8_linear(api, h, self.fc2_weight, fc2_bias, plan, self.fp8_meta, gemm=1)
-        return out, ln_out
+            return fp8_linear(api, act_out, self.fc2_weight, fc2_bias, fc2_plan,
+                              self.fp8_meta, gemm=1)
+
+    def _worth_checkpointing(self, ln_out: torch.Tensor) -> bool:
+        """Only a forward that builds a graph has activations to drop."""
+        if not (self.checkpoint and torch.is_grad_enabled()):
+            return False
+        params = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
+        return ln_out.requires_grad or any(p is not None and p.requires_grad for p in params)
 
     def forward(self, inp: torch.Tensor):
-        api = "te.LayerNormMLP"
-        if not torch.is_tensor(inp):
-            raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
-        if inp.shape[-1] != self.hidden_size:
-            raise ValueError(f"{api}: the input's last dimension must be hidden_size="
-                             f"{self.hidden_size}, got input of shape {tuple(inp.shape)}")
-        if self.checkpoint and torch.is_grad_enabled():
-            from ..distributed import checkpoint
-            out, ln_out = checkpoint(self._forward, inp, use_reentrant=False)
+        check_input("te.LayerNormMLP", inp, self.hidden_size)
+        ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
+                           self.normalization, self.eps, self.zero_centered_gamma)
+        if self._worth_checkpointing(ln_out):
+            out = distributed.checkpoint(self._fc1_act_fc2, ln_out, use_reentrant=False)
         else:
-            out, ln_out = self._forward(inp)
-        outputs = (out,)
-        if self.return_bias:
-            outputs += (self.fc2_bias,)
-        if self.return_layernorm_output:
-            outputs += (ln_out,)
-        return outputs[0] if len(outputs) == 1 else outputs
+            out = self._fc1_act_fc2(ln_out)
+        return pack_outputs(out, self.fc2_bias, self.return_bias,
+                            ln_out if self.return_layernorm_output else None)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"normalization={self.normalization}, activation={self.activation!r}, "
+                f"bias={self.use_bias}, checkpoint={self.checkpoint}")

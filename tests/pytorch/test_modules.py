@@ -1,0 +1,594 @@
+"""The TE module family against references written with plain torch ops in float64:
+LayerNorm / RMSNorm, LayerNormLinear, LayerNormMLP, DotProductAttention,
+MultiheadAttention (TransformerLayer: test_transformer_layer.py, with these references).
+
+High precision (outside te.autocast): forward and every gradient against float64.
+FP8: each GEMM against float64 on its dequantized FP8 operands, cast with the scale the
+module used (the delayed scale before the step, or the tensor's own amax for current
+scaling). Between two GEMMs the reference takes the module's own float32 elementwise
+part (activation, attention core; each checked against float64 in its own test), so
+that the FP8 casts see the module's float32 values (see the LayerNormMLP FP8 test).
+
+Error measure: ``max|got - ref| / max|ref|``. Bounds: 1e-5 where the only error is
+float32 rounding of one op; 1e-4 through a norm's backward (it subtracts means);
+looser, stated per test, where FP8 rounding itself is compared with high precision.
+"""
+
+import math
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch import distributed, quantize
+from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+from transformer_engine.pytorch.module.layernorm_mlp import activate
+from utils import assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+
+NORMS = ["LayerNorm", "RMSNorm"]
+RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
+           pytest.param(Float8CurrentScaling(), id="current")]
+ALL_ACTIVATIONS = ["gelu", "geglu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu",
+                   "silu", "swiglu"]
+
+
+def rel_err(got, ref):
+    ref = ref.double()
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def assert_close(got, ref, bound, what):
+    err = rel_err(got, ref)
+    assert err <= bound, f"{what}: error {err:.3g} relative to max |ref| exceeds {bound:.3g}"
+
+
+def randomize_(module):
+    """Non-trivial norm gains and shifts and linear biases (the defaults are 1 and 0)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() != 1:
+                continue
+            if name.rsplit(".", 1)[-1] in ("weight", "layer_norm_weight"):   # norm gains
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:                                                            # shifts, biases
+                p.normal_(0.0, 0.1)
+
+
+def leaf64(t):
+    return None if t is None else t.detach().double().requires_grad_()
+
+
+def deq(t, scale, dtype):
+    """The float64 value of ``t`` cast to FP8 with ``scale``."""
+    return quantize.cast_to_fp8(t.detach(), scale, dtype).dequantize(torch.float64)
+
+
+def cast_scale(module, recipe, forward, slot, tensor):
+    """The scale the module casts ``tensor`` (its slot ``slot``) with."""
+    fmt = recipe.fp8_format.value
+    if recipe.delayed():
+        key = "scaling_fwd" if forward else "scaling_bwd"
+        return module.fp8_meta[key].scale[slot:slot + 1].clone()
+    dtype = fmt.dtype_fwd if forward else fmt.dtype_bwd
+    return quantize.current_scale(quantize.amax(tensor.detach()), dtype)
+
+
+# ---- plain-torch references (float64) -----------------------------------------------
+
+def norm_ref(x, weight, bias, normalization, eps, zero_centered_gamma):
+    gamma = weight + 1.0 if zero_centered_gamma else weight
+    if normalization == "LayerNorm":
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + eps) * gamma + bias
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * gamma
+
+
+_ACT_REF = {
+    "gelu": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+    "relu": lambda x: torch.where(x > 0, x, torch.zeros_like(x)),
+    "qgelu": lambda x: x / (1 + torch.exp(-1.702 * x)),
+    "srelu": lambda x: torch.where(x > 0, x * x, torch.zeros_like(x)),
+    "silu": lambda x: x / (1 + torch.exp(-x)),
+}
+_GATED_REF = {"geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu", "sreglu": "srelu",
+              "swiglu": "silu"}
+
+
+def act_ref(x, activation):
+    if activation in _GATED_REF:
+        half = x.shape[-1] // 2
+        return _ACT_REF[_GATED_REF[activation]](x[..., :half]) * x[..., half:]
+    return _ACT_REF[activation](x)
+
+
+def attention_ref(q, k, v, fmt, mask_type, mask=None, scale=None):
+    """softmax(q k^T * scale, masked) v with TE's masks (True = masked out)."""
+    if fmt == "sbhd":
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    else:
+        q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
+    b, h, sq, d = q.shape
+    rep = h // k.shape[1]
+    k = torch.cat([k[:, i // rep:i // rep + 1] for i in range(h)], dim=1)
+    v = torch.cat([v[:, i // rep:i // rep + 1] for i in range(h)], dim=1)
+    skv = k.shape[2]
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else d ** -0.5)
+    allowed = torch.ones(b, h, sq, skv, dtype=torch.bool)
+    if mask_type in ("causal", "padding_causal"):
+        allowed &= torch.tensor([[j <= i for j in range(skv)] for i in range(sq)])
+    if mask_type in ("padding", "padding_causal"):
+        allowed &= ~mask.reshape(b, 1, 1, skv)
+    if mask_type == "arbitrary":
+        allowed &= ~mask
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = probs @ v
+    if mask_type in ("padding", "padding_causal"):
+        out = out * (~mask.reshape(b, 1, sq, 1))
+    out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.permute(0, 2, 1, 3)
+    return out.reshape(*out.shape[:2], h * d)
+
+
+def qkv_split_ref(mixed, h, g, d, interleaved):
+    """TE's fused QKV layout, by explicit row indices: interleaved groups hold
+    ``[q heads of the group, k, v]``; otherwise all q rows, then k, then v."""
+    r = h // g
+    if interleaved:
+        q_rows = [(i // r * (r + 2) + i % r) for i in range(h)]
+        k_rows, v_rows = [j * (r + 2) + r for j in range(g)], [j * (r + 2) + r + 1 for j in range(g)]
+    else:
+        q_rows, k_rows, v_rows = list(range(h)), [h + j for j in range(g)], [h + g + j for j in range(g)]
+    pick = lambda rows: torch.stack([mixed[..., row * d:(row + 1) * d] for row in rows], dim=-2)
+    return pick(q_rows), pick(k_rows), pick(v_rows)
+
+
+def mha_ref(p, x, heads, groups, d, interleaved, mask_type, mask=None, ln=("LayerNorm", 1e-5, False)):
+    """MultiheadAttention(input_layernorm=True) on float64 parameters ``p``."""
+    h_ln = norm_ref(x, p["layernorm_qkv.layer_norm_weight"], p.get("layernorm_qkv.layer_norm_bias"),
+                    *ln)
+    mixed = h_ln @ p["layernorm_qkv.weight"].t() + p["layernorm_qkv.bias"]
+    q, k, v = qkv_split_ref(mixed, heads, groups, d, interleaved)
+    ctx = attention_ref(q, k, v, "sbhd", mask_type, mask)
+    return ctx @ p["proj.weight"].t() + p["proj.bias"], h_ln
+
+
+# ---- LayerNorm, RMSNorm ---------------------------------------------------------------
+
+@pytest.mark.parametrize("zero_centered_gamma", [False, True], ids=["gamma", "zc-gamma"])
+@pytest.mark.parametrize("normalization", NORMS)
+def test_norm_matches_float64(normalization, zero_centered_gamma):
+    cls = te.LayerNorm if normalization == "LayerNorm" else te.RMSNorm
+    m = cls(64, eps=1e-3, zero_centered_gamma=zero_centered_gamma, device="cpu")
+    assert torch.equal(m.weight, torch.full((64,), 0.0 if zero_centered_gamma else 1.0))
+    assert (m.bias is None) == (normalization == "RMSNorm")
+    randomize_(m)
+    x = (torch.randn(4, 8, 64) * 3 + 1).requires_grad_()
+    dy = torch.randn(4, 8, 64)
+    y = m(x)
+    y.backward(dy)
+    x64, w64, b64 = leaf64(x), leaf64(m.weight), leaf64(m.bias)
+    ref = norm_ref(x64, w64, b64, normalization, 1e-3, zero_centered_gamma)
+    ref.backward(dy.double())
+    assert y.dtype == torch.float32
+    assert_close(y, ref, 1e-6, "y")
+    assert_close(x.grad, x64.grad, 1e-5, "dx")
+    assert_close(m.weight.grad, w64.grad, 1e-5, "dweight")
+    if b64 is not None:
+        assert_close(m.bias.grad, b64.grad, 1e-5, "dbias")
+
+
+def test_norm_dtypes():
+    m = te.RMSNorm(32, params_dtype=torch.bfloat16, device="cpu")
+    assert m.weight.dtype == torch.bfloat16
+    x = torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(x).dtype == torch.bfloat16                  # the autocast dtype
+    assert m(x.bfloat16()).dtype == torch.bfloat16
+    assert m(x).dtype == torch.float32
+
+
+# ---- LayerNormLinear --------------------------------------------------------------------
+
+@pytest.mark.parametrize("zero_centered_gamma", [False, True], ids=["gamma", "zc-gamma"])
+@pytest.mark.parametrize("normalization", NORMS)
+def test_layernorm_linear_high_precision(normalization, zero_centered_gamma):
+    m = te.LayerNormLinear(64, 48, normalization=normalization,
+                           zero_centered_gamma=zero_centered_gamma, device="cpu")
+    assert m.weight.shape == (48, 64) and m.layer_norm_weight.shape == (64,)
+    randomize_(m)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    dy = torch.randn(2, 16, 48)
+    y = m(x)
+    y.backward(dy)
+    p = {n: leaf64(t) for n, t in m.named_parameters()}
+    x64 = leaf64(x)
+    ln = norm_ref(x64, p["layer_norm_weight"], p.get("layer_norm_bias"), normalization, 1e-5,
+                  zero_centered_gamma)
+    ref = ln @ p["weight"].t() + p["bias"]
+    ref.backward(dy.double())
+    assert_close(y, ref, 1e-5, "y")
+    assert_close(x.grad, x64.grad, 1e-4, "dx")
+    for n, t in m.named_parameters():
+        assert_close(t.grad, p[n].grad, 1e-4, f"d{n}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("normalization", NORMS)
+def test_layernorm_linear_fp8_matches_float64_on_fp8_operands(normalization, recipe):
+    m = te.LayerNormLinear(64, 48, normalization=normalization, return_layernorm_output=True,
+                           device="cpu")
+    randomize_(m)
+    fmt = recipe.fp8_format.value
+    for step in range(2):        # step 0 moves the delayed scales away from 1; step 1 is checked
+        x = (torch.randn(32, 64) * (step + 1)).requires_grad_()
+        dy = torch.randn(32, 48) * 1e-3
+        m.zero_grad()
+        if recipe.delayed() and step == 1:
+            s_in, s_w = (cast_scale(m, recipe, True, i, None) for i in (0, 1))
+            s_dy = cast_scale(m, recipe, False, 0, None)
+            assert s_in.item() != 1.0 and s_dy.item() != 1.0
+        with te.autocast(recipe=recipe):
+            y, ln_out = m(x)
+        y.backward(dy)
+    if not recipe.delayed():
+        s_in, s_w, s_dy = (cast_scale(m, recipe, fwd, 0, t) for fwd, t in
+                           ((True, ln_out), (True, m.weight), (False, dy)))
+    p = {n: leaf64(t) for n, t in m.named_parameters()}
+    x64 = leaf64(x)
+    ln64 = norm_ref(x64, p["layer_norm_weight"], p.get("layer_norm_bias"), normalization, 1e-5, False)
+    assert_close(ln_out, ln64, 1e-6, "layernorm output")
+    lnq, wq, dyq = deq(ln_out, s_in, fmt.dtype_fwd), deq(m.weight, s_w, fmt.dtype_fwd), \
+        deq(dy, s_dy, fmt.dtype_bwd)
+    assert_close(y, lnq @ wq.t() + p["bias"], 1e-5, "y")
+    assert_close(m.weight.grad, dyq.t() @ lnq, 1e-5, "dweight")
+    assert_close(m.bias.grad, dy.double().sum(0), 1e-5, "dbias")
+    ln64.backward(dyq @ wq)                                  # dgrad, then the norm's backward
+    assert_close(x.grad, x64.grad, 1e-4, "dx")
+    for n in [n for n in p if n.startswith("layer_norm")]:
+        assert_close(getattr(m, n).grad, p[n].grad, 1e-4, f"d{n}")
+
+
+def test_layernorm_linear_outputs_and_dtypes():
+    m = te.LayerNormLinear(32, 16, return_bias=True, return_layernorm_output=True, device="cpu")
+    randomize_(m)
+    x = torch.randn(16, 32)
+    out, bias, ln_out = m(x)
+    assert bias is m.bias and ln_out.shape == (16, 32)
+    plain = te.LayerNormLinear(32, 16, device="cpu")
+    plain.load_state_dict(m.state_dict())
+    torch.testing.assert_close(out + bias, plain(x), rtol=1e-6, atol=1e-6)
+    assert te.LayerNormLinear(32, 16, bias=False, device="cpu").bias is None
+    for fp8 in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=fp8):
+            y = plain(x.requires_grad_())
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        assert plain.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+# ---- LayerNormMLP ----------------------------------------------------------------------
+
+def mlp_ref(p, x, normalization, activation):
+    ln = norm_ref(x, p["layer_norm_weight"], p.get("layer_norm_bias"), normalization, 1e-5, False)
+    h = ln @ p["fc1_weight"].t() + p["fc1_bias"]
+    return act_ref(h, activation) @ p["fc2_weight"].t() + p["fc2_bias"]
+
+
+@pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
+def test_layernorm_mlp_high_precision(activation):
+    normalization = "RMSNorm" if activation.endswith("glu") else "LayerNorm"
+    m = te.LayerNormMLP(64, 32, normalization=normalization, activation=activation, device="cpu")
+    gated = activation in _GATED_REF
+    assert m.fc1_weight.shape == ((64 if gated else 32), 64) and m.fc2_weight.shape == (64, 32)
+    randomize_(m)
+    with torch.no_grad():
+        m.fc1_weight.mul_(20.0)             # pre-activations of order 1: every branch used
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    dy = torch.randn(2, 16, 64)
+    y = m(x)
+    y.backward(dy)
+    p = {n: leaf64(t) for n, t in m.named_parameters()}
+    x64 = leaf64(x)
+    mlp_ref(p, x64, normalization, activation).backward(dy.double())
+    assert_close(y, mlp_ref(p, x64.detach(), normalization, activation), 1e-5, "y")
+    assert_close(x.grad, x64.grad, 1e-4, "dx")
+    for n, t in m.named_parameters():
+        assert_close(t.grad, p[n].grad, 1e-4, f"d{n}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu", "geglu"])
+def test_layernorm_mlp_fp8_matches_float64_on_fp8_operands(activation, recipe):
+    m = te.LayerNormMLP(64, 32, activation=activation, return_layernorm_output=True,
+                        device="cpu")
+    randomize_(m)
+    with torch.no_grad():
+        m.fc1_weight.mul_(20.0)
+    fmt = recipe.fp8_format.value
+    for step in range(2):
+        x = (torch.randn(32, 64) * (step + 1)).requires_grad_()
+        dy = torch.randn(32, 64) * 1e-3
+        m.zero_grad()
+        if step == 1:
+            fwd_before = m.fp8_meta["scaling_fwd"].scale.clone() if recipe.delayed() else None
+            bwd_before = m.fp8_meta["scaling_bwd"].scale.clone() if recipe.delayed() else None
+        with te.autocast(recipe=recipe):
+            y, ln_out = m(x)
+        y.backward(dy)
+    p = {n: leaf64(t) for n, t in m.named_parameters()}
+    scale = lambda fwd, slot, t: (((fwd_before if fwd else bwd_before)[slot:slot + 1])
+                                  if recipe.delayed() else cast_scale(m, recipe, fwd, slot, t))
+    # Each GEMM in float64 on FP8 operands, rounded to float32 where the module's tensors
+    # are float32. The activation between the GEMMs is the module's own float32 `activate`
+    # (checked against float64 in test_layernorm_mlp_high_precision), so that the FP8
+    # casts see float32 values equal to the module's up to the GEMM's last-bit rounding:
+    # a value within an ulp of an FP8 rounding tie would move by a whole FP8 step (seen
+    # as an error of ~1e-3 here); these seeds have none.
+    lnq, w1q, w2q = deq(ln_out, scale(True, 0, ln_out), fmt.dtype_fwd), \
+        deq(m.fc1_weight, scale(True, 1, m.fc1_weight), fmt.dtype_fwd), \
+        deq(m.fc2_weight, scale(True, 3, m.fc2_weight), fmt.dtype_fwd)
+    h32 = (lnq @ w1q.t() + p["fc1_bias"]).float().requires_grad_()
+    a32 = activate(h32, activation)
+    aq = deq(a32, scale(True, 2, a32), fmt.dtype_fwd)
+    assert_close(y, aq @ w2q.t() + p["fc2_bias"], 1e-5, "y")
+    # backward chain
+    dyq = deq(dy, scale(False, 1, dy), fmt.dtype_bwd)
+    dh32, = torch.autograd.grad(a32, h32, (dyq @ w2q).float())
+    dhq = deq(dh32, scale(False, 0, dh32), fmt.dtype_bwd)
+    assert_close(m.fc2_weight.grad, dyq.t() @ aq, 1e-5, "dfc2_weight")
+    assert_close(m.fc2_bias.grad, dy.double().sum(0), 1e-5, "dfc2_bias")
+    assert_close(m.fc1_weight.grad, dhq.t() @ lnq, 1e-5, "dfc1_weight")
+    assert_close(m.fc1_bias.grad, dh32.double().sum(0), 1e-5, "dfc1_bias")
+    x64 = leaf64(x)
+    norm_ref(x64, p["layer_norm_weight"], p["layer_norm_bias"], "LayerNorm", 1e-5,
+             False).backward(dhq @ w1q)
+    assert_close(x.grad, x64.grad, 1e-4, "dx")
+    if recipe.delayed():
+        # each GEMM has its own slots; the step recorded its amaxes into them, once
+        hist_f, hist_b = m.fp8_meta["scaling_fwd"].amax_history, m.fp8_meta["scaling_bwd"].amax_history
+        want_f = torch.stack([quantize.amax(t) for t in (ln_out, m.fc1_weight, a32, m.fc2_weight)])
+        want_b = torch.stack([quantize.amax(t) for t in (dh32, dy)])
+        # (the activation and its gradient are the reference's: equal to a few float32 ulps)
+        torch.testing.assert_close(hist_f[-1], want_f, rtol=1e-6, atol=0)
+        torch.testing.assert_close(hist_b[-1], want_b, rtol=1e-6, atol=0)
+        # one backward update per step: the history advanced by exactly one row
+        assert torch.count_nonzero(hist_b[:-2]) == 0 and torch.count_nonzero(hist_b[-2]) == 2
+
+
+def _mlp_train(checkpoint, outer, use_reentrant, steps=3):
+    """LayerNormMLP(checkpoint=...) in an inner FP8 autocast, optionally inside an outer
+    te.checkpoint as well (two producers of recompute stashes)."""
+    torch.manual_seed(0)
+    pre = te.Linear(64, 64, device="cpu")
+    mlp = te.LayerNormMLP(64, 64, activation="swiglu", device="cpu", checkpoint=checkpoint)
+    params = list(pre.parameters()) + list(mlp.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    record = []
+
+    def region(h):
+        with te.autocast(recipe=DelayedScaling(amax_history_len=3)):
+            return mlp(pre(h))
+
+    for step in range(steps):
+        x = (torch.randn(32, 64) * 2.0 ** step).requires_grad_()
+        y = te.checkpoint(region, x, use_reentrant=use_reentrant) if outer else region(x)
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        record.append((loss.detach(), [x.grad] + [t.grad.clone() for t in params],
+                       fp8_state_snapshot([pre, mlp])))
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["alone", "inside-checkpoint"])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_layernorm_mlp_checkpoint_is_invisible(use_reentrant, outer, monkeypatch):
+    ref = _mlp_train(False, False, use_reentrant)
+    real = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute
+    recomputes = []
+    monkeypatch.setattr(FP8GlobalStateManager, "get_old_fp8_meta_tensors_for_recompute",
+                        lambda meta: recomputes.append(1) or real(meta))
+    got = _mlp_train(True, outer, use_reentrant)
+    # per step: the MLP's own recompute, plus the outer recompute of pre and mlp
+    assert len(recomputes) == 3 * (3 if outer else 1)
+    for step, ((l0, g0, s0), (l1, g1, s1)) in enumerate(zip(ref, got)):
+        assert torch.equal(l0, l1), f"step {step}: loss {l0} vs {l1}"
+        assert_tensors_equal(g0, g1, f"step {step}: grads")
+        assert_states_equal(s0, s1, f"step {step}: FP8 state")
+    assert distributed.recompute_stash_count() == 0
+
+
+# ---- DotProductAttention -----------------------------------------------------------------
+
+def _padding(b, s, lengths):
+    return torch.stack([torch.arange(s) >= n for n in lengths]).reshape(b, 1, 1, s)
+
+
+@pytest.mark.parametrize("qkv_format", ["sbhd", "bshd"])
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "padding", "padding_causal", "arbitrary"])
+@pytest.mark.parametrize("groups", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_dot_product_attention_matches_float64(groups, mask_type, qkv_format):
+    b, s, h, d = 2, 16, 4, 16
+    attn = te.DotProductAttention(h, d, num_gqa_groups=groups, qkv_format=qkv_format,
+                                  attn_mask_type=mask_type)
+    shape = lambda heads: (s, b, heads, d) if qkv_format == "sbhd" else (b, s, heads, d)
+    q, k, v = (torch.randn(*shape(n), requires_grad=True) for n in (h, groups, groups))
+    mask = None
+    if mask_type in ("padding", "padding_causal"):
+        mask = _padding(b, s, [11, 16])
+    elif mask_type == "arbitrary":
+        mask = torch.rand(b, 1, s, s) < 0.3
+        mask[..., 0] = False                     # every query sees at least one key
+    out = attn(q, k, v, attention_mask=mask)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q64, k64, v64 = leaf64(q), leaf64(k), leaf64(v)
+    ref = attention_ref(q64, k64, v64, qkv_format, mask_type, mask)
+    ref.backward(dout.double())
+    assert out.shape == ((s, b, h * d) if qkv_format == "sbhd" else (b, s, h * d))
+    assert_close(out, ref, 1e-5, "out")
+    for name, t, t64 in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64)):
+        assert_close(t.grad, t64.grad, 1e-5, name)
+    if mask_type == "padding":
+        assert torch.count_nonzero(out[11:, 0]) == 0     # padded queries give zeros
+
+
+def test_attention_dropout_and_checkpoint_core_attention():
+    attn = te.DotProductAttention(4, 16, attention_dropout=0.5)
+    q, k, v = (torch.randn(16, 2, 4, 16, requires_grad=True) for _ in range(3))
+    results = []
+    for ckpt in (False, True):
+        torch.manual_seed(7)
+        out = attn(q, k, v, checkpoint_core_attention=ckpt)
+        out.pow(2).sum().backward()
+        results.append([out.detach()] + [t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    assert_tensors_equal(results[0], results[1], "checkpoint_core_attention")
+    attn.eval()
+    ref = attention_ref(q.double(), k.double(), v.double(), "sbhd", "causal")
+    assert_close(attn(q, k, v), ref, 1e-5, "eval: no dropout")
+    assert rel_err(results[0][0], ref) > 0.1, "training: dropout had no effect"
+
+
+def test_attention_dropout_draws_from_tracker():
+    tracker = te.CudaRNGStatesTracker(device="cpu")
+    tracker.add("model-parallel-rng", 99)
+    attn = te.DotProductAttention(4, 16, attention_dropout=0.5,
+                                  get_rng_state_tracker=lambda: tracker)
+    q = torch.randn(16, 2, 4, 16, requires_grad=True)
+    before_default, before_tracker = torch.get_rng_state(), tracker.get_states()
+    a = attn(q, q, q, checkpoint_core_attention=True)
+    assert torch.equal(torch.get_rng_state(), before_default)      # default stream untouched
+    assert not torch.equal(tracker.get_states()["model-parallel-rng"],
+                           before_tracker["model-parallel-rng"])
+    tracker.set_states(before_tracker)
+    b = attn(q, q, q)
+    assert torch.equal(a, b)
+    a.sum().backward()                                             # the recompute replays it
+    g_ckpt, q.grad = q.grad, None
+    b.sum().backward()
+    assert torch.equal(g_ckpt, q.grad)
+
+
+# ---- MultiheadAttention ----------------------------------------------------------------
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "concatenated"])
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa2"])
+def test_multihead_attention_high_precision(groups, interleaved):
+    m = te.MultiheadAttention(64, 4, attention_dropout=0.0, num_gqa_groups=groups,
+                              input_layernorm=True, qkv_weight_interleaved=interleaved,
+                              attn_mask_type="padding", device="cpu")
+    assert m.layernorm_qkv.weight.shape == ((4 + 2 * groups) * 16, 64)
+    randomize_(m)
+    mask = _padding(2, 16, [16, 9])
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    dy = torch.randn(16, 2, 64)
+    y = m(x, mask)
+    y.backward(dy)
+    p = {n: leaf64(t) for n, t in m.named_parameters()}
+    x64 = leaf64(x)
+    ref, _ = mha_ref(p, x64, 4, groups, 16, interleaved, "padding", mask)
+    ref.backward(dy.double())
+    assert_close(y, ref, 1e-5, "y")
+    assert_close(x.grad, x64.grad, 1e-4, "dx")
+    for n, t in m.named_parameters():
+        assert_close(t.grad, p[n].grad, 1e-4, f"d{n}")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_multihead_attention_fp8(recipe):
+    m = te.MultiheadAttention(64, 4, attention_dropout=0.0, num_gqa_groups=2, input_layernorm=True,
+                              return_layernorm_output=True, return_bias=True, device="cpu")
+    randomize_(m)
+    fmt = recipe.fp8_format.value
+    for step in range(2):
+        x = (torch.randn(16, 2, 64) * (step + 1)).requires_grad_()
+        if step == 1 and recipe.delayed():
+            s_qkv = m.layernorm_qkv.fp8_meta["scaling_fwd"].scale.clone()
+            s_proj = m.proj.fp8_meta["scaling_fwd"].scale.clone()
+        m.zero_grad()
+        with te.autocast(recipe=recipe):
+            out, bias, ln_out = m(x)
+        (out + bias).pow(2).sum().backward()
+    p = {n: leaf64(t) for n, t in m.named_parameters()}
+    if not recipe.delayed():
+        cur = lambda t: quantize.current_scale(quantize.amax(t.detach()), fmt.dtype_fwd)
+        s_qkv = torch.cat([cur(ln_out), cur(m.layernorm_qkv.weight)])
+    # the QKV GEMM on FP8 operands, the attention core, the proj GEMM on FP8 operands
+    mixed = (deq(ln_out, s_qkv[0:1], fmt.dtype_fwd)
+             @ deq(m.layernorm_qkv.weight, s_qkv[1:2], fmt.dtype_fwd).t() + p["layernorm_qkv.bias"])
+    # the attention core is the module's own, in float32 (checked against float64 in
+    # test_dot_product_attention_matches_float64), for the reason given in the MLP test
+    q, k, v = qkv_split_ref(mixed.float(), 4, 2, 16, True)
+    with torch.no_grad():
+        ctx = m.core_attention(q, k, v)
+    if not recipe.delayed():
+        s_proj = torch.cat([cur(ctx), cur(m.proj.weight)])
+    ref = (deq(ctx, s_proj[0:1], fmt.dtype_fwd)
+           @ deq(m.proj.weight, s_proj[1:2], fmt.dtype_fwd).t())
+    assert_close(out, ref.reshape(16, 2, 64), 1e-5, "out")
+    assert bias is m.proj.bias
+    # FP8 against high precision (E4M3 forward, E5M2 backward: a few percent)
+    norm_err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    x64 = leaf64(x)
+    hp, _ = mha_ref(p, x64, 4, 2, 16, True, "causal")
+    assert norm_err(out + bias, hp.detach()) < 0.08
+    hp.pow(2).sum().backward()
+    assert norm_err(x.grad, x64.grad) < 0.15
+    for n, t in m.named_parameters():
+        assert norm_err(t.grad, p[n].grad) < 0.15, n
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="te.LayerNorm: hidden_size must be a positive int, got 0"):
+        te.LayerNorm(0)
+    with pytest.raises(ValueError, match="te.RMSNorm: eps must be a positive float, got 0"):
+        te.RMSNorm(16, eps=0)
+    with pytest.raises(ValueError, match=r"te.RMSNorm: the input's last dimension must be "
+                                         r"hidden_size=64, got input of shape \(2, 32\)"):
+        te.RMSNorm(64, device="cpu")(torch.randn(2, 32))
+    with pytest.raises(ValueError, match=r"te.LayerNormLinear: normalization must be one of "
+                                         r"\('LayerNorm', 'RMSNorm'\), got 'BatchNorm'"):
+        te.LayerNormLinear(64, 32, normalization="BatchNorm")
+    with pytest.raises(TypeError, match="te.LayerNormLinear: input must be a tensor, got list"):
+        te.LayerNormLinear(16, 16, device="cpu")([0.0] * 16)
+    with pytest.raises(ValueError, match="te.LayerNormMLP: activation must be one of .*got 'tanh'"):
+        te.LayerNormMLP(64, 128, activation="tanh")
+    with pytest.raises(TypeError, match="te.LayerNormMLP: checkpoint must be a bool, got 'yes'"):
+        te.LayerNormMLP(64, 128, checkpoint="yes")
+    with te.autocast():
+        with pytest.raises(ValueError, match=r"te.LayerNormMLP: an FP8 GEMM needs .*N=24 not"):
+            te.LayerNormMLP(64, 24, device="cpu")(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="te.DotProductAttention: num_gqa_groups=3 must divide "
+                                         "num_attention_heads=4"):
+        te.DotProductAttention(4, 16, num_gqa_groups=3)
+    attn = te.DotProductAttention(4, 16, attn_mask_type="padding")
+    q = torch.randn(16, 2, 4, 16)
+    with pytest.raises(ValueError, match="attn_mask_type='padding' needs an attention_mask"):
+        attn(q, q, q)
+    with pytest.raises(ValueError, match=r"padding mask for the queries must be a bool tensor of "
+                                         r"shape \[batch, 1, 1, seq\] = \[2, 1, 1, 16\].*got torch.int64"):
+        attn(q, q, q, attention_mask=torch.zeros(2, 1, 1, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="attn_mask_type='causal' takes no attention_mask"):
+        attn(q, q, q, attention_mask=_padding(2, 16, [16, 16]), attn_mask_type="causal")
+    with pytest.raises(ValueError, match=r"key_layer must be \[seq, batch, heads, d\] \(sbhd\) "
+                                         r"with 4 heads of size d=16, got shape \(16, 2, 2, 16\)"):
+        attn(q, q[:, :, :2], q[:, :, :2])
+    with pytest.raises(ValueError, match="qkv_format must be one of .*got 'thd'"):
+        te.DotProductAttention(4, 16, qkv_format="thd")
+    with pytest.raises(ValueError, match="return_layernorm_output=True needs input_layernorm=True"):
+        te.MultiheadAttention(64, 4, return_layernorm_output=True)
+    with pytest.raises(ValueError, match="hidden_size=60 is not divisible by num_attention_heads=8"):
+        te.MultiheadAttention(60, 8)
+    with pytest.raises(ValueError, match=r"te.TransformerLayer: hidden_dropout must be a float in "
+                                         r"\[0, 1\), got 1.0"):
+        te.TransformerLayer(64, 128, 4, hidden_dropout=1.0)
+    layer = te.TransformerLayer(64, 128, 4, device="cpu")
+    with pytest.raises(ValueError, match=r"hidden_states must be \[seq, batch, hidden\] with "
+                                         r"hidden=64, got \(32, 64\)"):
+        layer(torch.randn(32, 64))
