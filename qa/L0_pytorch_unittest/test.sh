@@ -16,6 +16,9 @@ TESTS=(
     tests/pytorch/test_fp8_activation_recompute.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
+    tests/pytorch/distributed/test_amax_reduction.py
+    tests/pytorch/distributed/test_tensor_parallel.py
+    tests/pytorch/distributed/test_distributed_checkpoint.py
 )
 
 FAILED=()

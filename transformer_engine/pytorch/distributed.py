@@ -39,11 +39,14 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from .fp8 import FP8GlobalStateManager, RecomputeStateError, ScalingState
+from .tensor_parallel import (get_distributed_rank, get_distributed_world_size,
+                              set_tensor_model_parallel_attributes)
 
 __all__ = [
     "checkpoint", "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase",
     "CudaRNGStatesTracker", "RecomputeStash", "recompute_stash_count",
     "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
+    "get_distributed_world_size", "get_distributed_rank", "set_tensor_model_parallel_attributes",
 ]
 
 # ---- where we are: the two flags, and the frames of the calls we are inside -------
@@ -367,6 +370,9 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
                 _grad_anchor: torch.Tensor, *flat):
         ctx.call, ctx.keys = call, keys
         args, kwargs = _unflatten(flat, keys)
+        first = next((a for a in flat if torch.is_tensor(a)), None)
+        if distribute is not None and first is not None:
+            _chunk_numel(first, distribute)     # fail before phase 1 touches any FP8 state
         with call.phase1(reentrant=True):
             outputs = call.function(*args, **kwargs)
         ctx.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
@@ -544,24 +550,30 @@ def _any_requires_grad(outputs) -> bool:
 
 # ---- tensor-parallel helpers ---------------------------------------------------------
 
-def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group, new_buffer: bool = False):
-    """This rank's 1/world_size slice of ``tensor`` flattened."""
-    dist = torch.distributed
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+def _chunk_numel(tensor: torch.Tensor, group) -> int:
+    world = torch.distributed.get_world_size(group)
     numel = tensor.numel()
     if numel % world != 0:
         raise ValueError(f"te.checkpoint: distribute_saved_activations needs the first "
-                         f"argument's numel ({numel}, shape {tuple(tensor.shape)}) divisible "
-                         f"by the tensor-parallel size {world}")
-    part = numel // world
+                         f"tensor argument's numel ({numel}, shape {tuple(tensor.shape)}) "
+                         f"divisible by the tensor-parallel size {world}")
+    return numel // world
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group, new_buffer: bool = False):
+    """This rank's 1/world_size slice of ``tensor`` flattened (a copy of just that
+    slice when ``new_buffer``, so the whole can be freed)."""
+    part = _chunk_numel(tensor, group)
+    rank = torch.distributed.get_rank(group)
     chunk = tensor.detach().reshape(-1)[rank * part:(rank + 1) * part]
     return chunk.clone() if new_buffer else chunk
 
 
 def gather_split_1d_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Inverse of `split_tensor_into_1d_equal_chunks`: the flattened whole."""
+    """Inverse of `split_tensor_into_1d_equal_chunks`: the flattened whole, in rank
+    order. Uses the list form of all_gather, which gloo and NCCL both take."""
     dist = torch.distributed
     world = dist.get_world_size(group)
     out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    dist.all_gather(list(out.chunk(world)), tensor.contiguous(), group=group)
     return out

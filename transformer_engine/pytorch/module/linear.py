@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import quantize
 from ..fp8 import FP8GlobalStateManager
+from ..tensor_parallel import TensorParallelConfig
 from .base import ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device
 
 __all__ = ["Linear", "fp8_linear", "check_params_dtype", "init_weight_"]
@@ -132,38 +133,78 @@ class Linear(TransformerEngineBaseModule):
         CUDA if available, else CPU, when None.
     return_bias : bool, default False
         Return ``(x W^T, b)`` instead of adding the bias, so it can be fused later.
+    sequence_parallel : bool, default False
+        With ``parallel_mode``: activations outside the layer pair are split along
+        dim 0 (column all-gathers its input, row reduce-scatters its output).
+    tp_group : torch.distributed.ProcessGroup, optional
+        The tensor-parallel group; its size is the TP size.
+    tp_size : int, default 1
+        The TP size when the group is formed later: call
+        ``set_tensor_parallel_group(group)`` before the first forward.
+    parallel_mode : None | "column" | "row", default None
+        "column": ``weight`` and ``bias`` hold ``out_features / tp`` rows and the
+        output is this rank's slice of the features (not gathered). "row": ``weight``
+        holds ``in_features / tp`` columns, the input is this rank's slice of the
+        features, the output is summed over the group and the full bias added after.
+        None: no communication. See NOTE [Tensor-parallel layouts] in
+        ``tensor_parallel.py``; in FP8 the autocast's ``amax_reduction_group`` must
+        span the TP group.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: Optional[torch.dtype] = None, device=None,
-                 return_bias: bool = False):
+                 return_bias: bool = False, *, sequence_parallel: bool = False,
+                 tp_group=None, tp_size: int = 1, parallel_mode: Optional[str] = None):
         super().__init__(num_gemms=1)
+        api = "te.Linear"
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"te.Linear: {name} must be a positive int, got {v!r}")
-        dtype = check_params_dtype("te.Linear", params_dtype)
+        dtype = check_params_dtype(api, params_dtype)
         device = default_device(device)
+        self.tp = TensorParallelConfig(api, parallel_mode, tp_group, tp_size, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
+        local_in, local_out = in_features, out_features
+        if parallel_mode == "column":
+            local_out = self.tp.local_features("out_features", out_features)
+        elif parallel_mode == "row":
+            local_in = self.tp.local_features("in_features", in_features)
         self.use_bias, self.return_bias = bias, return_bias
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
+        self.weight = torch.nn.Parameter(torch.empty(local_out, local_in, dtype=dtype,
                                                      device=device))
         init_weight_(self.weight)
         if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+            self.bias = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        self.tp.mark_params(self.weight, self.bias)
+
+    # TE's attribute names for the TP settings.
+    parallel_mode = property(lambda self: self.tp.parallel_mode)
+    sequence_parallel = property(lambda self: self.tp.sequence_parallel)
+    tp_group = property(lambda self: self.tp.tp_group)
+    tp_size = property(lambda self: self.tp.tp_size)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Attach the tensor-parallel group (for a module built with ``tp_size``)."""
+        self.tp.set_group(tp_group)
 
     def forward(self, inp: torch.Tensor):
         if not torch.is_tensor(inp):
             raise TypeError(f"te.Linear: input must be a tensor, got {type(inp).__name__}")
         with self.prepare_forward(inp) as plan:
-            fused_bias = None if self.return_bias else self.bias
+            inp = self.tp.column_input(inp)
+            row = self.tp.parallel_mode == "row"
+            fused_bias = None if (self.return_bias or row) else self.bias
             out = fp8_linear("te.Linear", inp, self.weight, fused_bias, plan, self.fp8_meta)
+            out = self.tp.row_output(out)
         if self.return_bias:
             return out, self.bias
+        if row and self.bias is not None:
+            out = out + self.bias.to(out.dtype)
         return out
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.use_bias}")
+        return ", ".join((f"in_features={self.in_features}", f"out_features={self.out_features}",
+                          f"bias={self.use_bias}") + self.tp.describe())
 
