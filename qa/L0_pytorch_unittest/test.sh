@@ -14,6 +14,8 @@ TESTS=(
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
     tests/pytorch/test_fp8_activation_recompute.py
+    tests/pytorch/test_checkpoint_robustness.py
+    tests/pytorch/test_checkpoint_replay.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/distributed/test_amax_reduction.py

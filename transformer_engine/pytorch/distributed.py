@@ -24,6 +24,13 @@ NOTE [Recompute stashes]
     frame: nothing global grows. The recompute records no amax, registers nothing
     for an update, and claims no "first module": the stash says what phase 1 did.
 
+    The train/eval mode at phase-1 time governs: each frame also records the
+    ``training`` flag every ``nn.Module`` had at its first call in phase 1, and the
+    recompute sets that flag again just before the module's call and puts every flag it
+    changed back when the recompute ends (so a switch to eval before backward neither
+    drops a dropout mask nor changes what is saved). A global module forward pre-hook
+    does this; it is registered only while some checkpoint call is running.
+
     Invariance assumes ``fn`` runs the same FP8 modules in both phases (it must not
     branch on `in_fp8_activation_recompute_phase()` or on live scales).
 """
@@ -83,13 +90,32 @@ class RecomputeStash(NamedTuple):
 class _RecomputeFrame:
     """The stashes of one checkpoint call, keyed by module, in call order."""
 
-    __slots__ = ("stashes", "metas", "cursor", "__weakref__")
+    __slots__ = ("stashes", "metas", "cursor", "modes", "replaced_modes", "__weakref__")
 
     def __init__(self):
         self.stashes: Dict[int, List[RecomputeStash]] = {}
         self.metas: Dict[int, dict] = {}     # keeps each keyed fp8_meta (so its id) alive
         self.cursor: Dict[int, int] = {}
+        # id(module) -> (module, its training flag at its first phase-1 call)
+        self.modes: Dict[int, Tuple[torch.nn.Module, bool]] = {}
+        # id(module) -> (module, the flag it had before this recompute set it)
+        self.replaced_modes: Dict[int, Tuple[torch.nn.Module, bool]] = {}
         _LIVE_FRAMES.add(self)
+
+    def record_mode(self, module: torch.nn.Module) -> None:
+        self.modes.setdefault(id(module), (module, module.training))
+
+    def replay_mode(self, module: torch.nn.Module) -> None:
+        recorded = self.modes.get(id(module))
+        if recorded is not None and id(module) not in self.replaced_modes:
+            self.replaced_modes[id(module)] = (module, module.training)
+            module.training = recorded[1]
+
+    def end_recompute(self) -> None:
+        """Put back the training flags this recompute changed."""
+        for module, training in self.replaced_modes.values():
+            module.training = training
+        self.replaced_modes = {}
 
     def add(self, fp8_meta: dict, entry: RecomputeStash) -> int:
         entries = self.stashes.setdefault(id(fp8_meta), [])
@@ -158,15 +184,28 @@ def take_recompute_stash(fp8_meta: dict) -> RecomputeStash:
     return entry
 
 
+def _module_mode_hook(module: torch.nn.Module, args) -> None:
+    """Global forward pre-hook while a checkpoint call runs: the recompute being run
+    sets the module's phase-1 training flag, and recording frames note the flag."""
+    source = next((frame for frame, recomputing in reversed(_frames) if recomputing), None)
+    if source is not None:
+        source.replay_mode(module)
+    for frame in _recording_frames():
+        frame.record_mode(module)
+
+
 @contextlib.contextmanager
 def _recompute_region(frame: _RecomputeFrame, recomputing: bool, training_under_no_grad=None):
     """Enter a phase of one checkpoint call; restores every flag it changes.
 
     Phase 1 of a region nested inside a recompute is itself part of that recompute,
-    so the phase flag is only ever raised, never lowered, on entry.
+    so the phase flag is only ever raised, never lowered, on entry. The outermost
+    entry registers the module-mode hook; its exit removes it.
     """
     global _in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad
     saved = (_in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad)
+    hook = (torch.nn.modules.module.register_module_forward_pre_hook(_module_mode_hook)
+            if not _frames else None)
     _in_recompute_region = True
     _in_recompute_phase = _in_recompute_phase or recomputing
     _frames = _frames + ((frame, recomputing),)
@@ -176,6 +215,8 @@ def _recompute_region(frame: _RecomputeFrame, recomputing: bool, training_under_
         yield
     finally:
         _in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad = saved
+        if hook is not None:
+            hook.remove()
 
 
 # ---- RNG ---------------------------------------------------------------------------
@@ -333,6 +374,7 @@ class _CheckpointCall:
                     yield
             finally:
                 FP8GlobalStateManager.set_fp8_autocast_state(saved_fp8)
+                self.frame.end_recompute()
 
 
 class _ReusableContext:
@@ -468,8 +510,9 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
     Runs ``function(*args, **kwargs)`` without keeping its activations and re-runs it
     during backward. The recompute replays torch's CPU and CUDA RNG states, the
     tracker's states, the ``torch.autocast`` state and the FP8 autocast state of the
-    call site, and FP8 modules recompute with the scales their first forward used
-    (NOTE [Recompute stashes]); an FP8 autocast opened inside ``function`` counts.
+    call site, and each module's train/eval mode of the first forward; FP8 modules
+    recompute with the scales their first forward used (NOTE [Recompute stashes]);
+    an FP8 autocast opened inside ``function`` counts.
     With and without checkpointing a training run gives identical results, provided
     ``function`` does not branch on recompute state.
 
