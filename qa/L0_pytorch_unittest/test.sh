@@ -20,6 +20,7 @@ TESTS=(
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
+    tests/pytorch/distributed/test_tensor_parallel_modules.py
     tests/pytorch/distributed/test_distributed_checkpoint.py
 )
 

@@ -39,7 +39,7 @@ __all__ = [
     "PARALLEL_MODES", "get_distributed_world_size", "get_distributed_rank",
     "set_tensor_model_parallel_attributes", "copy_to_tensor_parallel_region",
     "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region", "TensorParallelConfig",
+    "reduce_scatter_to_sequence_parallel_region", "TensorParallelConfig", "mark_sequence_parallel",
 ]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -176,6 +176,14 @@ def reduce_scatter_to_sequence_parallel_region(
 
 # ---- module arguments ----------------------------------------------------------------
 
+def mark_sequence_parallel(*params: Optional[torch.Tensor]) -> None:
+    """Mark parameters that only see this rank's tokens under sequence parallelism:
+    their gradients are partial and must be summed over the TP group."""
+    for p in params:
+        if p is not None:
+            p.sequence_parallel = True
+
+
 def _check_group(api: str, tp_group) -> None:
     if tp_group is None:
         return
@@ -270,7 +278,7 @@ class TensorParallelConfig:
             set_tensor_model_parallel_attributes(bias, split and self.parallel_mode == "column",
                                                  0, 1)
             if self.parallel_mode == "row" and self.sequence_parallel and split:
-                bias.sequence_parallel = True
+                mark_sequence_parallel(bias)
 
     def describe(self) -> Tuple[str, ...]:
         if self.parallel_mode is None:

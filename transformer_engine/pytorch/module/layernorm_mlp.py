@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
+from ..tensor_parallel import TensorParallelConfig, mark_sequence_parallel
 from .base import TransformerEngineBaseModule, default_device
 from .layernorm import (check_eps, check_input, check_normalization, check_positive_int,
                         make_norm_params, normalize)
@@ -89,6 +90,16 @@ class LayerNormMLP(TransformerEngineBaseModule):
         Recompute FC1 -> activation -> FC2 during backward instead of keeping their
         activations (through ``te.checkpoint``, non-reentrant, so FP8 scales are kept
         right), whenever grad is enabled. The normalization output is kept.
+    set_parallel_mode : bool, default False
+        Tensor parallelism as in TE: FC1 column-parallel (``fc1_weight`` holds this
+        rank's ``ffn_hidden_size / tp`` rows; for a gated activation its halves are
+        this rank's slices of the two halves), FC2 row-parallel (``fc2_weight`` holds
+        ``ffn_hidden_size / tp`` columns, the output is summed over the group and
+        ``fc2_bias`` added after). See NOTE [Tensor-parallel layouts].
+    sequence_parallel, tp_group, tp_size : see `te.Linear`
+        With sequence parallelism the input and output are this rank's slice of the
+        sequence (dim 0); the norm parameters and ``fc2_bias`` get partial gradients
+        (marked ``sequence_parallel``: sum them over the TP group).
 
     Returns
     -------
@@ -102,9 +113,17 @@ class LayerNormMLP(TransformerEngineBaseModule):
                  return_bias: bool = False, init_method: Optional[Callable] = None,
                  output_layer_init_method: Optional[Callable] = None,
                  params_dtype: Optional[torch.dtype] = None, device=None,
-                 checkpoint: bool = False):
+                 checkpoint: bool = False, set_parallel_mode: bool = False,
+                 sequence_parallel: bool = False, tp_group=None, tp_size: int = 1):
         super().__init__(num_gemms=2)
         api = "te.LayerNormMLP"
+        if not isinstance(set_parallel_mode, bool):
+            raise TypeError(f"{api}: set_parallel_mode must be a bool, got {set_parallel_mode!r}")
+        self.tp_fc1 = TensorParallelConfig(api, "column" if set_parallel_mode else None,
+                                           tp_group, tp_size, sequence_parallel)
+        self.tp_fc2 = TensorParallelConfig(api, "row" if set_parallel_mode else None,
+                                           tp_group, tp_size, sequence_parallel)
+        self.set_parallel_mode = set_parallel_mode
         self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
         self.ffn_hidden_size = check_positive_int(api, "ffn_hidden_size", ffn_hidden_size)
         self.eps = check_eps(api, eps)
@@ -122,10 +141,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
         device = default_device(device)
         make_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, dtype,
                          device, "layer_norm_weight", "layer_norm_bias")
-        fc1_out = ffn_hidden_size * (2 if ACTIVATIONS[activation][1] else 1)
+        local_ffn = self.tp_fc1.local_features("ffn_hidden_size", ffn_hidden_size)
+        fc1_out = local_ffn * (2 if ACTIVATIONS[activation][1] else 1)
         self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype,
                                                          device=device))
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size,
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, local_ffn,
                                                          dtype=dtype, device=device))
         (init_method or init_weight_)(self.fc1_weight)
         (output_layer_init_method or init_weight_)(self.fc2_weight)
@@ -136,18 +156,31 @@ class LayerNormMLP(TransformerEngineBaseModule):
         else:
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
+        self.tp_fc1.mark_params(self.fc1_weight, self.fc1_bias)
+        self.tp_fc2.mark_params(self.fc2_weight, self.fc2_bias)
+        if self.tp_fc1.sequence_parallel and self.tp_fc1.size > 1:
+            mark_sequence_parallel(self.layer_norm_weight, self.layer_norm_bias)
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Attach the tensor-parallel group (for a module built with ``tp_size``)."""
+        self.tp_fc1.set_group(tp_group)
+        self.tp_fc2.set_group(tp_group)
 
     def _fc1_act_fc2(self, ln_out: torch.Tensor) -> torch.Tensor:
         """FC1 -> activation -> FC2: the module's one FP8 forward (one prepare_forward)."""
         api = "te.LayerNormMLP"
         with self.prepare_forward(ln_out) as plan:
-            fc1_out = fp8_linear(api, ln_out, self.fc1_weight, self.fc1_bias, plan,
-                                 self.fp8_meta, gemm=0)
+            fc1_out = fp8_linear(api, self.tp_fc1.column_input(ln_out), self.fc1_weight,
+                                 self.fc1_bias, plan, self.fp8_meta, gemm=0)
             act_out = activate(fc1_out, self.activation)
             fc2_plan = dataclasses.replace(plan, bwd_session=None)
-            fc2_bias = None if self.return_bias else self.fc2_bias
-            return fp8_linear(api, act_out, self.fc2_weight, fc2_bias, fc2_plan,
-                              self.fp8_meta, gemm=1)
+            row = self.tp_fc2.size > 1
+            fc2_bias = None if (self.return_bias or row) else self.fc2_bias
+            out = self.tp_fc2.row_output(fp8_linear(api, act_out, self.fc2_weight, fc2_bias,
+                                                    fc2_plan, self.fp8_meta, gemm=1))
+        if row and not self.return_bias and self.fc2_bias is not None:
+            out = out + self.fc2_bias.to(out.dtype)
+        return out
 
     def _worth_checkpointing(self, ln_out: torch.Tensor) -> bool:
         """Only a forward that builds a graph has activations to drop."""
@@ -170,4 +203,5 @@ class LayerNormMLP(TransformerEngineBaseModule):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"normalization={self.normalization}, activation={self.activation!r}, "
-                f"bias={self.use_bias}, checkpoint={self.checkpoint}")
+                f"bias={self.use_bias}, checkpoint={self.checkpoint}"
+                + "".join(f", {d}" for d in self.tp_fc1.describe()[1:]))
