@@ -19,5 +19,5 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here (the GPU machine has 2.11); CI pins torch==2.13.0 itself.
     install_requires=["torch>=2.11"],
-    extras_require={"test": ["pytest>=7", "numpy"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest>=7", "numpy", "ruff"], "plot": ["matplotlib"]},
 )

@@ -25,6 +25,8 @@ TESTS=(
 )
 
 FAILED=()
+echo "=== ruff check"
+"$VENV_PY" -m ruff check . || FAILED+=("ruff")
 for t in "${TESTS[@]}"; do
     echo "=== $t"
     "$VENV_PY" -m pytest -q -p no:cacheprovider "$t" || FAILED+=("$t")
