@@ -128,16 +128,17 @@ def _update_scaling_states(metas: List[dict], recipe: DelayedScaling, group,
         torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX, group=group)
         history[0].copy_(live)
     scale = torch.cat([s.scale for s in states])
-    amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
     spec = recipe.fp8_format.value
     max_value = spec.max_fwd if forward else spec.max_bwd
     if recipe.scaling_factor_compute_algo is not None:
+        amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
         new_scale = recipe.scaling_factor_compute_algo(
             amax_value, scale, torch.full_like(scale, max_value), recipe).to(torch.float32)
-    else:
-        new_scale = quantize.scale_from_amax(amax_value, scale, max_value, recipe.margin)
-    new_history = quantize.roll_amax_history(history)
-    new_scale_inv = torch.reciprocal(new_scale)
+        new_history = quantize.roll_amax_history(history)
+        new_scale_inv = torch.reciprocal(new_scale)
+    else:   # one launch on CUDA (NOTE [Fused casts] in quantize.py)
+        new_scale, new_scale_inv, new_history = quantize.delayed_scaling_update(
+            history, scale, max_value, recipe.margin, recipe.amax_compute_algo)
     dst, src = [], []
     for s, sc, si, h in zip(states, new_scale.split(sizes), new_scale_inv.split(sizes),
                             new_history.split(sizes, dim=1)):

@@ -1,8 +1,23 @@
 """Stateless FP8 math: saturating casts, amax, the FP8 GEMM, and the
 delayed-scaling formulas (amax from history, scale from amax, history roll).
 
-Nothing here reads or writes global state; `fp8.py` decides *which* scale to use
-and *where* an amax is recorded, the module files decide *what* is cast.
+Nothing here reads or writes FP8 global state; `fp8.py` decides *which* scale to
+use and *where* an amax is recorded, the module files decide *what* is cast.
+
+NOTE [Fused casts]
+    On CUDA, when Triton imports, `amax`, `cast_to_fp8` and `cast_transpose_to_fp8`
+    run the one-pass kernels of `triton_kernels.py` (amax recorded into the history
+    slot, FP8 data and ``scale_inv`` written, in one read of the tensor); elsewhere
+    they run the torch reference ops below. Both compute the same bits
+    (tests/pytorch/test_triton_kernels.py checks it). `use_fused_kernels(False)` (or
+    ``NVTE_FUSED_FP8_CASTS=0``) forces the reference ops, for comparisons. The CPU
+    path never imports Triton.
+    Two more fusions are opt-in: ``NVTE_FUSED_FP8_TRANSPOSE=1`` makes the cast kernel
+    write the transposed FP8 copy in the same pass (else torch transposes the FP8
+    data), ``NVTE_FUSED_FP8_UPDATE=1`` runs `delayed_scaling_update` in one launch.
+    A first version of the in-kernel transpose wrote wrong rows on an H200 (dims
+    divisible by 16); its replacement and the update kernel have bitwise tests that
+    have not yet run on a GPU. Make them the default once they pass there.
 
 NOTE [GEMM vocabulary]
     For a linear layer ``y = x W^T`` (x: [M, K], W: [N, K], y: [M, N]):
@@ -15,18 +30,69 @@ NOTE [GEMM vocabulary]
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import contextlib
+import os
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 __all__ = [
-    "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "current_scale",
-    "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax", "roll_amax_history",
+    "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
+    "current_scale", "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
+    "roll_amax_history", "delayed_scaling_update", "use_fused_kernels", "fused_kernels_enabled",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP32_MAX = torch.finfo(torch.float32).max
+_HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# ---- dispatch to the fused kernels (NOTE [Fused casts]) ---------------------------
+_fused_enabled: bool = os.environ.get("NVTE_FUSED_FP8_CASTS", "1") != "0"
+# Opt-in until tests/pytorch/test_triton_kernels.py has passed on a GPU with them
+# (NOTE [Fused casts]): the transposed copy written by the cast kernel itself, and the
+# one-launch delayed-scaling update.
+_fused_transpose: bool = os.environ.get("NVTE_FUSED_FP8_TRANSPOSE", "0") == "1"
+_fused_update: bool = os.environ.get("NVTE_FUSED_FP8_UPDATE", "0") == "1"
+_kernels_module = None      # triton_kernels once loaded; False when Triton is missing
+
+
+def fused_kernels_enabled() -> bool:
+    """Whether CUDA casts may use the Triton kernels (they still need Triton)."""
+    return _fused_enabled
+
+
+@contextlib.contextmanager
+def use_fused_kernels(enabled: bool):
+    """Allow (True) or forbid (False) the fused Triton casts inside the block; the
+    setting found on entry is put back on exit."""
+    global _fused_enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"quantize.use_fused_kernels: enabled must be a bool, got {enabled!r}")
+    saved = _fused_enabled
+    _fused_enabled = enabled
+    try:
+        yield
+    finally:
+        _fused_enabled = saved
+
+
+def _fused_kernels(x: torch.Tensor):
+    """The Triton kernels module if ``x`` should take the fused path, else None."""
+    global _kernels_module
+    if not (_fused_enabled and x.is_cuda and x.dtype in _HP_DTYPES and x.numel() > 0):
+        return None
+    if _kernels_module is None:
+        try:
+            from . import triton_kernels
+            _kernels_module = triton_kernels if triton_kernels.AVAILABLE else False
+        except ImportError:
+            _kernels_module = False
+    return _kernels_module or None
+
+
+def _fused_scale_ok(scale: torch.Tensor, x: torch.Tensor) -> bool:
+    return scale.dtype == torch.float32 and scale.numel() == 1 and scale.device == x.device
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -53,6 +119,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` as a float32 scalar tensor (0 for an empty tensor)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    kernels = _fused_kernels(x)
+    if kernels is not None and x.is_contiguous():
+        return kernels.amax(x.detach())
     return x.detach().abs().amax().to(torch.float32)
 
 
@@ -65,10 +134,74 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Flo
     """
     if dtype not in FP8_DTYPES:
         raise TypeError(f"cast_to_fp8: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    kernels = _fused_kernels(x)
+    if kernels is not None and x.dim() >= 1 and _fused_scale_ok(scale, x):
+        x2d = x.detach().reshape(-1, x.shape[-1])
+        q, _, scale_inv = kernels.cast_transpose(x2d, scale, dtype)
+        return Float8Data(q.view(x.shape), scale_inv)
+    return _cast_reference(x, scale, dtype)
+
+
+def _cast_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Float8Data:
+    """The torch ops that define the cast (NOTE [Fused casts])."""
     limit = fp8_max(dtype)
     scaled = x.detach().to(torch.float32) * scale
     data = torch.clamp(scaled, -limit, limit).to(dtype)
     return Float8Data(data, torch.reciprocal(scale.to(torch.float32)).reshape(1))
+
+
+def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
+                          index: int = 0, amax_history: Optional[torch.Tensor] = None,
+                          data: bool = True, transpose: bool = False
+                          ) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
+    """Cast a 2-D ``x [M, N]`` to FP8 with ``scale[index]`` and return ``(x_fp8 [M, N],
+    x_fp8^T [N, M])``, each None unless asked for by ``data`` / ``transpose``; both
+    share one fresh ``scale_inv``. The transposed copy is what the dgrad/wgrad GEMMs
+    take (NOTE [GEMM vocabulary]).
+
+    Parameters
+    ----------
+    scale : 1-D float32 tensor; element ``index`` is the scale.
+    amax_history : float32 tensor, optional
+        ``[L, n]`` (or ``[n]``): ``max|x|`` is folded into row 0, column ``index``
+        (max with what it holds), as `ScalingState.record_amax` does.
+
+    On CUDA all of this is one pass over ``x`` (NOTE [Fused casts]); the values are
+    those of `amax`, `cast_to_fp8` and a transposed copy.
+    """
+    api = "cast_transpose_to_fp8"
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"{api}: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{api}: x must be 2-D [M, N], got shape {tuple(x.shape)}; "
+                         "reshape it to [-1, last_dim] first")
+    if not 0 <= index < scale.numel():
+        raise ValueError(f"{api}: index {index} is out of range for a scale of "
+                         f"{scale.numel()} element(s)")
+    if amax_history is not None and (
+            amax_history.dtype != torch.float32 or amax_history.dim() not in (1, 2)
+            or index >= amax_history.shape[-1] or amax_history.device != x.device):
+        raise ValueError(f"{api}: amax_history must be a float32 [L, n] or [n] tensor on "
+                         f"{x.device} with n > index={index}, got {amax_history.dtype} of shape "
+                         f"{tuple(amax_history.shape)} on {amax_history.device}")
+    kernels = _fused_kernels(x)
+    if (kernels is not None and scale.dtype == torch.float32 and scale.device == x.device
+            and scale.is_contiguous()
+            and (amax_history is None or amax_history.is_contiguous())):
+        in_kernel = transpose and _fused_transpose
+        q, q_t, scale_inv = kernels.cast_transpose(x.detach(), scale, dtype, index=index,
+                                                   amax_history=amax_history,
+                                                   data=data or not in_kernel,
+                                                   transpose=in_kernel)
+        if transpose and not in_kernel:
+            q_t = q.t().contiguous()
+        return (Float8Data(q, scale_inv) if data else None,
+                Float8Data(q_t, scale_inv) if transpose else None)
+    if amax_history is not None:
+        slot = amax_history[0, index] if amax_history.dim() == 2 else amax_history[index]
+        torch.maximum(slot, amax(x), out=slot)
+    q = _cast_reference(x, scale.reshape(-1)[index:index + 1], dtype)
+    return (q if data else None), (q.t_contiguous() if transpose else None)
 
 
 def current_scale(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -160,3 +293,23 @@ def roll_amax_history(history: torch.Tensor) -> torch.Tensor:
     rolled = torch.roll(history, shifts=-1, dims=0)
     rolled[0].zero_()
     return rolled
+
+
+def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, max_value: float,
+                           margin: int, algo) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The delayed-scaling update of ``n`` tensors at once: ``(new_scale,
+    new_scale_inv, new_history)`` from ``history [L, n]`` and ``scale [n]`` (amax from
+    the history by ``algo``, scale from amax, ``1 / scale``, history rolled).
+
+    On CUDA with Triton and ``algo`` "max" or "most_recent" this is one launch
+    (NOTE [Fused casts]); otherwise the formulas above, with the same values.
+    """
+    kernels = _fused_kernels(history) if _fused_update else None
+    if (kernels is not None and algo in ("max", "most_recent") and history.dim() == 2
+            and history.dtype == torch.float32 and scale.dtype == torch.float32
+            and history.is_contiguous() and scale.is_contiguous()
+            and scale.shape == history.shape[1:]):
+        return kernels.delayed_update(history, scale, max_value, margin, algo)
+    amax_value = amax_from_history(history, algo)
+    new_scale = scale_from_amax(amax_value, scale, max_value, margin)
+    return new_scale, torch.reciprocal(new_scale), roll_amax_history(history)

@@ -36,20 +36,26 @@ def init_weight_(weight: torch.Tensor) -> None:
 
 
 def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
-          record: bool) -> quantize.Float8Data:
-    """Cast with the delayed scale ``state.scale[index]`` (recording the amax when
-    asked) or, for current scaling, with the tensor's own amax."""
+          record: bool, data: bool = True, transpose: bool = False):
+    """Cast a 2-D ``x`` with the delayed scale ``state.scale[index]`` (folding its amax
+    into the live history slot when ``record``) or, for current scaling, with its own
+    amax. Returns ``(x_fp8, x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`:
+    one pass over ``x`` on CUDA)."""
     if plan.delayed:
-        if record:
-            state.record_amax(index, quantize.amax(x))
-        return quantize.cast_to_fp8(x, state.scale[index:index + 1], dtype)
-    return quantize.cast_to_fp8(x, quantize.current_scale(quantize.amax(x), dtype), dtype)
+        return quantize.cast_transpose_to_fp8(
+            x, state.scale, dtype, index=index, amax_history=state.amax_history if record else None,
+            data=data, transpose=transpose)
+    scale = quantize.current_scale(quantize.amax(x), dtype)
+    return quantize.cast_transpose_to_fp8(x, scale, dtype, data=data, transpose=transpose)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 forward, dgrad and wgrad GEMMs.
 
-    Saves the FP8 copies of x and W (not the high-precision ones) for backward.
+    The forward casts also produce the transposed FP8 copies the backward GEMMs take
+    (``W^T`` for dgrad, ``x^T`` for wgrad; in the cast's own pass on CUDA with
+    ``NVTE_FUSED_FP8_TRANSPOSE=1``, NOTE [Fused casts]) and save only those: FP8
+    copies, not the high-precision tensors, and nothing to transpose in backward.
     """
 
     @staticmethod
@@ -58,11 +64,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         fmt = plan.recipe.fp8_format.value
         state = fp8_meta["scaling_fwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
-            x_fp8 = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax)
-            w_fp8 = _cast(weight, plan, state, i + 1, fmt.dtype_fwd, plan.record_amax)
+            x_fp8, x_t = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
+                               transpose=need_wgrad)
+            w_fp8, w_t = _cast(weight, plan, state, i + 1, fmt.dtype_fwd, plan.record_amax,
+                               transpose=need_dgrad)
             y = quantize.fp8_gemm(x_fp8, w_fp8, out_dtype, bias=bias, use_fast_accum=True)
-        ctx.save_for_backward(x_fp8.data, x_fp8.scale_inv, w_fp8.data, w_fp8.scale_inv)
+        ctx.save_for_backward(x_t.data if x_t is not None else None, x_fp8.scale_inv,
+                              w_t.data if w_t is not None else None, w_fp8.scale_inv)
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -70,23 +80,27 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        x_t_data, x_scale_inv, w_t_data, w_scale_inv = ctx.saved_tensors
         plan: ForwardPlan = ctx.plan
         fmt = plan.recipe.fp8_format.value
         state = ctx.fp8_meta["scaling_bwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.BWD_TENSORS_PER_GEMM * ctx.gemm
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.contiguous()
-            dy_fp8 = _cast(dy, plan, state, i, fmt.dtype_bwd, record=True)
-            x_fp8 = quantize.Float8Data(x_data, x_scale_inv)
-            w_fp8 = quantize.Float8Data(w_data, w_scale_inv)
+            # The amax of dy is recorded even when only dbias is needed.
+            dy_fp8, dy_t = _cast(dy, plan, state, i, fmt.dtype_bwd, record=True,
+                                 data=need_dgrad or not need_wgrad, transpose=need_wgrad)
             dgrad = wgrad = dbias = None
-            if ctx.needs_input_grad[0]:
-                dgrad = quantize.fp8_gemm(dy_fp8, w_fp8.t_contiguous(), ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
-                wgrad = quantize.fp8_gemm(dy_fp8.t_contiguous(), x_fp8.t_contiguous(), ctx.w_dtype)
+            if need_dgrad:
+                w_t = quantize.Float8Data(w_t_data, w_scale_inv)
+                dgrad = quantize.fp8_gemm(dy_fp8, w_t, ctx.x_dtype)
+            if need_wgrad:
+                x_t = quantize.Float8Data(x_t_data, x_scale_inv)
+                wgrad = quantize.fp8_gemm(dy_t, x_t, ctx.w_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                dbias = dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
+                # float32 accumulation without a float32 copy of dy
+                dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         if plan.bwd_session is not None:
             FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False,
                                                                 session=plan.bwd_session)

@@ -1,0 +1,191 @@
+"""Step time and peak activation memory of a stack of te.TransformerLayer with and
+without activation checkpointing, in FP8 (delayed scaling) and in BF16.
+
+One command (on a Hopper GPU, from the repository root)::
+
+    python3 benchmarks/bench_checkpoint.py
+
+A step is forward + backward of ``--layers`` layers (hidden 4096, FFN 4x, 32
+heads, sequence 2048, dropout 0), each layer checkpointed on its own. Modes:
+
+- ``none``: no checkpointing;
+- ``te_reentrant`` / ``te_nonreentrant``: ``te.checkpoint(layer, x, use_reentrant=...)``;
+- ``..._nobook``: the same with only the FP8 recompute bookkeeping disabled (the
+  stash of each module's scale/amax history in phase 1 and its swap-in for the
+  recompute replaced by no-ops), to measure what that bookkeeping costs;
+- ``torch_checkpoint`` (BF16 model): ``torch.utils.checkpoint.checkpoint``
+  (non-reentrant, as PyTorch recommends);
+- ``forward``: a training forward alone (graph dropped), the cost a full
+  recompute should stay under.
+
+Medians of CUDA-event-timed steps after warm-up, the modes of one precision
+timed round-robin. Peak activation memory is the
+peak allocated during a step minus what was allocated before it (parameters,
+gradients, inputs). The table is printed last; the JSON goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
+
+import torch  # noqa: E402
+import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
+
+import transformer_engine.pytorch as te  # noqa: E402
+from common import environment, table, write_json  # noqa: E402
+from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
+from transformer_engine.pytorch import distributed  # noqa: E402
+from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: E402
+
+_HOOKS = ("copy_forward_fp8_meta_tensors_for_recompute",
+          "get_old_fp8_meta_tensors_for_recompute", "restore_fp8_meta_tensors")
+
+
+@contextlib.contextmanager
+def no_fp8_recompute_bookkeeping():
+    """Replace the three recompute hooks by no-ops that keep only the backward-update
+    session (so the backward still updates scales): no stash copies, no frame
+    lookups, no swap. For timing only: the recompute then uses the live scales."""
+    saved = {name: FP8GlobalStateManager.__dict__[name] for name in _HOOKS}
+
+    def copy(cls, fp8_meta, bwd_session=None):
+        fp8_meta["_bench_bwd_session"] = bwd_session
+
+    def get_old(cls, fp8_meta):
+        return distributed.RecomputeStash(fp8_meta["scaling_fwd"],
+                                          fp8_meta.get("_bench_bwd_session"))
+
+    def restore(cls, fp8_meta):
+        pass
+    for name, fn in zip(_HOOKS, (copy, get_old, restore)):
+        setattr(FP8GlobalStateManager, name, classmethod(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(FP8GlobalStateManager, name, fn)
+
+
+def run_layers(layers, x, mode):
+    for layer in layers:
+        if mode == "none" or mode == "forward":
+            x = layer(x)
+        elif mode.startswith("te_"):
+            x = te.checkpoint(layer, x, use_reentrant=mode.startswith("te_reentrant"))
+        elif mode == "torch_checkpoint":
+            x = torch_checkpoint.checkpoint(layer, x, use_reentrant=False)
+        else:
+            raise ValueError(f"bench_checkpoint: unknown mode {mode!r}")
+    return x
+
+
+def make_step(layers, x, dy, mode, fp8):
+    recipe = DelayedScaling()
+    book = no_fp8_recompute_bookkeeping if mode.endswith("_nobook") else contextlib.nullcontext
+
+    def step():
+        with book():
+            with te.autocast(enabled=fp8, recipe=recipe):
+                out = run_layers(layers, x, mode)
+            if mode != "forward":
+                out.backward(dy)
+    return step
+
+
+def measure(steps: dict, warmup: int, iters: int) -> dict:
+    """Time the steps round-robin (one step of each mode per round), so that drift
+    of clocks or host load hits every mode alike; returns per mode the median step
+    time, the largest peak activation memory and all times."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    torch.cuda.synchronize()
+    times = {name: [] for name in steps}
+    peaks = {name: 0 for name in steps}
+    for _ in range(iters):
+        for name, step in steps.items():
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+            peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - before)
+    return {name: {"ms": statistics.median(t), "peak_bytes": peaks[name], "times_ms": t}
+            for name, t in times.items()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_checkpoint.py: needs a CUDA GPU")
+    torch.manual_seed(0)
+    h = args.hidden
+    layers = [te.TransformerLayer(h, 4 * h, args.heads, hidden_dropout=0.0,
+                                  attention_dropout=0.0, params_dtype=torch.bfloat16,
+                                  device="cuda") for _ in range(args.layers)]
+    x = torch.randn(args.seq, args.batch, h, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    dy = torch.randn_like(x)
+    env = environment()
+    config = {k: getattr(args, k) for k in ("layers", "hidden", "seq", "batch", "heads")}
+    config["ffn_hidden"] = 4 * h
+    result = {"env": env, "config": config, "results": {}}
+    plan = {"fp8": ["forward", "none", "te_reentrant", "te_reentrant_nobook",
+                    "te_nonreentrant", "te_nonreentrant_nobook"],
+            "bf16": ["forward", "none", "te_reentrant", "te_nonreentrant", "torch_checkpoint"]}
+    for precision, modes in plan.items():
+        steps = {f"{precision}/{mode}": make_step(layers, x, dy, mode, fp8=precision == "fp8")
+                 for mode in modes}
+        result["results"].update(measure(steps, args.warmup, args.iters))
+        for key in steps:
+            r = result["results"][key]
+            print(f"{key}: {r['ms']:.2f} ms, peak activations {r['peak_bytes'] / 2**30:.2f} GiB",
+                  flush=True)
+        write_json(result, "bench_checkpoint", args.out)
+    rows = []
+    res = result["results"]
+    for key, r in res.items():
+        precision, mode = key.split("/")
+        none, fwd = res[f"{precision}/none"], res[f"{precision}/forward"]
+        extra = (r["ms"] - none["ms"]) / fwd["ms"] if mode not in ("none", "forward") else None
+        book = None
+        if mode.endswith("_nobook"):
+            with_book = res[key.replace("_nobook", "")]["ms"]
+            book = (with_book - r["ms"]) / r["ms"]
+            r["bookkeeping_overhead"] = book
+        r["extra_over_forward"] = extra
+        r["memory_ratio"] = r["peak_bytes"] / none["peak_bytes"]
+        rows.append([key, f"{r['ms']:.2f}", f"{r['ms'] / none['ms']:.3f}",
+                     "" if extra is None else f"{extra:.2f}",
+                     f"{r['peak_bytes'] / 2**30:.2f}", f"{r['memory_ratio']:.3f}",
+                     "" if book is None else f"{100 * book:+.2f}%"])
+    path = write_json(result, "bench_checkpoint", args.out)
+    print(f"\nwrote {path}")
+    print(f"\n{args.layers} x te.TransformerLayer(hidden {h}, ffn {4 * h}, heads {args.heads}), "
+          f"seq {args.seq}, batch {args.batch}, bf16 params; {env['card']}, torch {env['torch']}")
+    print(table(rows, ["precision/mode", "step ms", "vs none", "extra/fwd", "peak act GiB",
+                       "mem ratio", "bookkeeping"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""te.Linear forward+backward in FP8 (delayed scaling) against torch.nn.Linear in
+bf16 and torchao.float8's tensorwise recipe (compiled), with the bare-GEMM ceiling.
+
+One command (on a Hopper GPU, from the repository root)::
+
+    python3 benchmarks/bench_linear.py
+
+For each shape (M tokens, K in, N out) it times, as medians of CUDA-event-timed
+repeats after warm-up (L2 flushed between repeats):
+
+- ``bf16_gemms`` / ``fp8_gemms``: the three bare GEMMs of a linear's forward and
+  backward (forward, dgrad, wgrad; NOTE [GEMM vocabulary] in quantize.py) through
+  ``torch.matmul`` in bf16 and ``torch._scaled_mm`` in FP8 on pre-cast operands:
+  their ratio is the ceiling of any FP8 speed-up.
+- ``nn_bf16``: ``torch.nn.Linear`` in bf16, forward + backward.
+- ``te_fp8``: ``te.Linear`` (bf16 parameters and activations) inside
+  ``te.autocast(recipe=DelayedScaling())``, forward + backward, with the delayed
+  scaling updates; ``te_fp8_unfused``: the same with the torch reference casts.
+  The opt-in fusions of NOTE [Fused casts] follow ``NVTE_FUSED_FP8_TRANSPOSE`` /
+  ``NVTE_FUSED_FP8_UPDATE``; the JSON records which were on.
+- ``torchao_fp8``: ``torchao.float8`` tensorwise, ``torch.compile``-d.
+
+TFLOP/s = 6 M K N / time. The table is printed last; the JSON (card, versions,
+shapes, medians, command) goes to ``--out`` (default ``benchmarks/results``).
+``--profile`` adds a torch.profiler breakdown of one shape's te/nn/torchao steps
+by kernel; ``--tune`` times tile settings of the fused cast kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
+
+import torch  # noqa: E402
+
+import transformer_engine.pytorch as te  # noqa: E402
+from common import environment, median_ms, table, write_json  # noqa: E402
+from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
+from transformer_engine.pytorch import quantize  # noqa: E402
+
+DEFAULT_SHAPES = [(m, k, n) for m in (4096, 8192, 16384) for k in (4096, 8192)
+                  for n in (4096, 8192)]
+BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def parse_shapes(text: str):
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+
+
+def _fp8(t, dtype):
+    return t.to(dtype)
+
+
+def bare_gemms(m, k, n, timer):
+    """Forward, dgrad and wgrad as bare GEMMs, bf16 and FP8 (ms each)."""
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16)
+    dy = torch.randn(m, n, device="cuda", dtype=BF16)
+    one = torch.ones((), device="cuda")
+    x8, w8, dy8 = _fp8(x, E4M3), _fp8(w, E4M3), _fp8(dy, E5M2)
+    xt8, wt8, dyt8 = x8.t().contiguous(), w8.t().contiguous(), dy8.t().contiguous()
+    mm = torch._scaled_mm
+    out = {
+        "bf16_fwd": timer(lambda: x @ w.t()),
+        "bf16_dgrad": timer(lambda: dy @ w),
+        "bf16_wgrad": timer(lambda: dy.t() @ x),
+        # as te.Linear runs them: fast accumulation in forward only (as TE does)
+        "fp8_fwd": timer(lambda: mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=BF16,
+                                    use_fast_accum=True)),
+        "fp8_dgrad": timer(lambda: mm(dy8, wt8.t(), scale_a=one, scale_b=one, out_dtype=BF16)),
+        "fp8_wgrad": timer(lambda: mm(dyt8, xt8.t(), scale_a=one, scale_b=one, out_dtype=BF16)),
+    }
+    out["bf16_gemms"] = out["bf16_fwd"] + out["bf16_dgrad"] + out["bf16_wgrad"]
+    out["fp8_gemms"] = out["fp8_fwd"] + out["fp8_dgrad"] + out["fp8_wgrad"]
+    return out
+
+
+def _inputs(m, k, n):
+    x = torch.randn(m, k, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=BF16)
+    return x, dy
+
+
+def nn_step(m, k, n):
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=BF16)
+    x, dy = _inputs(m, k, n)
+
+    def step():
+        lin(x).backward(dy)
+    return step, [x, lin.weight]
+
+
+def te_step(m, k, n, fused=True):
+    layer = te.Linear(k, n, bias=False, params_dtype=BF16, device="cuda")
+    x, dy = _inputs(m, k, n)
+    recipe = DelayedScaling()
+
+    def step():
+        with quantize.use_fused_kernels(fused):
+            with te.autocast(enabled=True, recipe=recipe):
+                y = layer(x)
+            y.backward(dy)
+    return step, [x, layer.weight]
+
+
+def torchao_step(m, k, n):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    torch._dynamo.reset()    # a static compile per shape, as a fixed-shape run would get
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device="cuda", dtype=BF16)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    weight = model[0].weight
+    model = torch.compile(model)
+    x, dy = _inputs(m, k, n)
+
+    def step():
+        model(x).backward(dy)
+    return step, [x, weight]
+
+
+def prepare(make, *args, **kw):
+    """A step that drops the gradients first (so no variant pays a grad accumulation)."""
+    step, params = make(*args, **kw)
+
+    def run():
+        for p in params:
+            p.grad = None
+        step()
+    run()
+    torch.cuda.synchronize()
+    return run
+
+
+def timed(make, timer, *args, **kw):
+    return timer(prepare(make, *args, **kw)), None
+
+
+def profile_steps(runs: dict, iters: int = 5) -> dict:
+    """Device time per step by kernel (torch.profiler), for each named step."""
+    from torch.profiler import ProfilerActivity, profile
+    report = {}
+    for name, run in runs.items():
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                run()
+            torch.cuda.synchronize()
+        kernels = []
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = e.self_cuda_time_total
+            if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.append((e.key, t / iters / 1e3, e.count // iters))
+        kernels.sort(key=lambda r: -r[1])
+        groups = {}
+        for key, ms, _ in kernels:
+            groups[_category(key)] = groups.get(_category(key), 0.0) + ms
+        report[name] = {"total_ms": sum(r[1] for r in kernels), "by_category_ms": groups,
+                        "kernels": [{"name": k[:160], "ms_per_step": ms, "calls_per_step": c}
+                                    for k, ms, c in kernels[:25]]}
+    return report
+
+
+def host_profile(run, iters: int = 20) -> dict:
+    """Host (CPU) side of one step: torch ops per step and their self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    ops = [(e.key, e.count / iters, e.self_cpu_time_total / iters) for e in prof.key_averages()]
+    ops.sort(key=lambda r: -r[2])
+    aten = [o for o in ops if o[0].startswith("aten::")]
+    return {"aten_calls_per_step": sum(o[1] for o in aten),
+            "launches_per_step": sum(o[1] for o in ops if o[0] in ("cudaLaunchKernel",
+                                                                   "cuLaunchKernel",
+                                                                   "cuLaunchKernelEx")),
+            "top_self_cpu_us": [{"op": k[:100], "calls": c, "self_us": t} for k, c, t in ops[:25]]}
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    if "cast_transpose_kernel" in low:
+        return "fused cast+amax+transpose (ours)"
+    if "_amax_kernel" in low:
+        return "amax (ours)"
+    if any(s in low for s in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "scaled_mm")):
+        return "GEMM"
+    if "triton" in low:
+        return "other triton (torch.compile)"
+    if "elementwise" in low or "reduce" in low or "copy" in low or "fill" in low:
+        return "torch elementwise/reduce/copy"
+    return "other"
+
+
+def tune_cast(timer) -> list:
+    """GB/s of the fused cast (bf16 8192x8192 -> FP8 + FP8^T + amax) per tile setting,
+    and of a plain device copy (the bandwidth ceiling)."""
+    from transformer_engine.pytorch import triton_kernels as tk
+    x = torch.randn(8192, 8192, device="cuda", dtype=BF16)
+    scale, slot = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+    moved = x.numel() * (2 + 1 + 1)
+    rows = [{"config": "torch copy (read+write bf16)",
+             "GB/s": 2 * x.numel() * 2 / timer(lambda: x.clone()) / 1e6}]
+    for cfg in [(32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (32, 256, 8),
+                (128, 64, 8)]:
+        old = tk._set_tiles(*cfg)
+        try:
+            ms = timer(lambda: tk.cast_transpose(x, scale, E4M3, amax_history=slot,
+                                                 transpose=True))
+        finally:
+            tk._set_tiles(*old)
+        rows.append({"config": f"tile {cfg[0]}x{cfg[1]} warps {cfg[2]}", "ms": ms,
+                     "GB/s": moved / ms / 1e6})
+    with quantize.use_fused_kernels(False):
+        ms = timer(lambda: quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_history=slot,
+                                                          transpose=True))
+    rows.append({"config": "torch reference ops", "ms": ms, "GB/s": moved / ms / 1e6})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
+                   help="comma-separated MxKxN (default: the 12 shapes of issue 6)")
+    p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--no-unfused", action="store_true", help="skip te with reference casts")
+    p.add_argument("--profile", type=parse_shapes, default=[], help="MxKxN to profile")
+    p.add_argument("--tune", action="store_true")
+    p.add_argument("--rep-ms", type=float, default=300)
+    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_linear.py: needs a CUDA GPU")
+    timer = lambda fn: median_ms(fn, rep_ms=args.rep_ms)  # noqa: E731
+    env = environment()
+    torchao_error = None
+    if not args.no_torchao:
+        try:
+            import torchao
+            env["torchao"] = torchao.__version__
+        except Exception as err:  # report exactly why it cannot run
+            torchao_error = f"{type(err).__name__}: {err}"
+            env["torchao"] = None
+    result = {"env": env, "shapes": [list(s) for s in args.shapes], "results": [],
+              "torchao_error": torchao_error,
+              "fusions": {"casts": quantize.fused_kernels_enabled(),
+                          "in_kernel_transpose": quantize._fused_transpose,
+                          "one_launch_update": quantize._fused_update}}
+
+    # host overhead of one te.Linear fwd+bwd step: a tiny shape, GPU time negligible
+    tiny = {}
+    for name, make in (("te_fp8", te_step), ("nn_bf16", nn_step)):
+        tiny[name] = timed(make, timer, 256, 256, 256)[0]
+    result["tiny_256_step_ms"] = tiny
+    result["host_profile_te_256"] = host_profile(prepare(te_step, 256, 256, 256))
+
+    if args.tune:
+        result["tune_cast"] = tune_cast(timer)
+
+    rows = []
+    for (m, k, n) in args.shapes:
+        t0 = time.time()
+        r = {"M": m, "K": k, "N": n}
+        r.update(bare_gemms(m, k, n, timer))
+        r["nn_bf16"], _ = timed(nn_step, timer, m, k, n)
+        r["te_fp8"], _ = timed(te_step, timer, m, k, n)
+        if not args.no_unfused:
+            r["te_fp8_unfused"], _ = timed(te_step, timer, m, k, n, fused=False)
+        if torchao_error is None and not args.no_torchao:
+            try:
+                r["torchao_fp8"], _ = timed(torchao_step, timer, m, k, n)
+            except Exception as err:
+                torchao_error = result["torchao_error"] = f"{type(err).__name__}: {err}"[:2000]
+        flops = 6.0 * m * k * n
+        r["tflops"] = {key: flops / (r[key] * 1e9) for key in
+                       ("bf16_gemms", "fp8_gemms", "nn_bf16", "te_fp8", "te_fp8_unfused",
+                        "torchao_fp8") if key in r}
+        r["te_over_nn"] = r["nn_bf16"] / r["te_fp8"]
+        r["ceiling_fp8_over_bf16"] = r["bf16_gemms"] / r["fp8_gemms"]
+        if "torchao_fp8" in r:
+            r["te_over_torchao"] = r["torchao_fp8"] / r["te_fp8"]
+        r["seconds"] = time.time() - t0
+        result["results"].append(r)
+        print(f"{m}x{k}x{n}: " + ", ".join(f"{key} {r[key]:.3f} ms" for key in
+              ("fp8_gemms", "bf16_gemms", "nn_bf16", "te_fp8", "te_fp8_unfused", "torchao_fp8")
+              if key in r), flush=True)
+        rows.append([f"{m}x{k}x{n}", f"{r['tflops']['bf16_gemms']:.0f}",
+                     f"{r['tflops']['fp8_gemms']:.0f}", f"{r['tflops']['nn_bf16']:.0f}",
+                     f"{r['tflops']['te_fp8']:.0f}",
+                     f"{r['tflops'].get('te_fp8_unfused', float('nan')):.0f}",
+                     f"{r['tflops'].get('torchao_fp8', float('nan')):.0f}",
+                     f"{r['ceiling_fp8_over_bf16']:.2f}", f"{r['te_over_nn']:.2f}",
+                     f"{r.get('te_over_torchao', float('nan')):.2f}"])
+        write_json(result, "bench_linear", args.out)   # keep partial results
+
+    if args.profile:
+        result["profile"] = {}
+        for (m, k, n) in args.profile:
+            runs = {"te_fp8": prepare(te_step, m, k, n), "nn_bf16": prepare(nn_step, m, k, n)}
+            if torchao_error is None and not args.no_torchao:
+                runs["torchao_fp8"] = prepare(torchao_step, m, k, n)
+            result["profile"][f"{m}x{k}x{n}"] = profile_steps(runs)
+
+    path = write_json(result, "bench_linear", args.out)
+    print(f"\nwrote {path}")
+    if torchao_error:
+        print(f"torchao could not run: {torchao_error}")
+    if "tune_cast" in result:
+        print(table([[c["config"], f"{c.get('ms', float('nan')):.4f}", f"{c['GB/s']:.0f}"]
+                     for c in result["tune_cast"]], ["cast 8192x8192 bf16", "ms", "GB/s"]))
+    for shape, prof in result.get("profile", {}).items():
+        for name, rep in prof.items():
+            cats = ", ".join(f"{c} {ms:.3f}" for c, ms in sorted(rep["by_category_ms"].items(),
+                                                                 key=lambda kv: -kv[1]))
+            print(f"profile {shape} {name}: {rep['total_ms']:.3f} ms/step on the GPU: {cats}")
+    hp = result["host_profile_te_256"]
+    print(f"tiny 256^3 step (host overhead): te {tiny['te_fp8']:.3f} ms, "
+          f"nn {tiny['nn_bf16']:.3f} ms; te: {hp['aten_calls_per_step']:.0f} aten calls, "
+          f"{hp['launches_per_step']:.0f} launches per step; top self CPU: " + ", ".join(
+              f"{o['op']} {o['self_us']:.0f}us/{o['calls']:.0f}" for o in hp["top_self_cpu_us"][:8]))
+    print(f"\nte.Linear fwd+bwd, TFLOP/s (6MKN/t), {env['card']}, torch {env['torch']}, "
+          f"triton {env['triton']}, torchao {env.get('torchao')}")
+    print(table(rows, ["MxKxN", "bf16 GEMMs", "fp8 GEMMs", "nn bf16", "te fp8", "te unfused",
+                       "torchao", "ceiling", "te/nn", "te/ao"]))
+
+
+if __name__ == "__main__":
+    main()

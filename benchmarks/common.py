@@ -1,0 +1,51 @@
+"""Shared helpers of the GPU benchmarks: timing, environment record, JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+
+
+def median_ms(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:
+    """Median time of ``fn`` in ms, timed with CUDA events after warm-up
+    (``triton.testing.do_bench``, which also flushes L2 between repeats)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def environment() -> dict:
+    """Card, versions and command, recorded with every result."""
+    env = {"card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(),
+           "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def write_json(result: dict, name: str, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    card = result["env"]["card"].replace(" ", "_")
+    path = os.path.join(out_dir, f"{name}_{card}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
+def table(rows, header) -> str:
+    """A fixed-width text table."""
+    cells = [[str(h) for h in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,274 @@
+"""The fused Triton casts (NOTE [Fused casts] in quantize.py) against the torch
+reference ops, bit for bit; and the CPU path never loading Triton.
+
+The CUDA cases run only on a GPU with FP8 and Triton; each compares the fused
+path with the same call under ``quantize.use_fused_kernels(False)``.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.pytorch import quantize
+from utils import HAS_CUDA_FP8, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+cuda_triton = pytest.mark.skipif(not (HAS_CUDA_FP8 and HAS_TRITON),
+                                 reason="needs a CUDA GPU with FP8 and Triton")
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HP = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1, 1), (16, 16), (100, 37), (256, 512), (333, 1040)]
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+def _sample(shape, dtype, special: bool):
+    """Random data over many binades (subnormal FP8 results up to saturation)."""
+    x = torch.randn(shape, device="cuda") * torch.exp2(torch.randint(-12, 12, shape, device="cuda"))
+    if special:
+        flat = x.view(-1)
+        flat[:: 7] = float("inf")
+        flat[3:: 11] = float("-inf")
+        flat[5:: 13] = 1e30
+    return x.to(dtype)
+
+
+def _spy(monkeypatch):
+    """Count calls of the fused cast kernel, to prove the fused path ran."""
+    from transformer_engine.pytorch import triton_kernels
+    calls = []
+    real = triton_kernels.cast_transpose
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(triton_kernels, "cast_transpose", counting)
+    return calls
+
+
+@cuda_triton
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["torch-t", "kernel-t"])
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "inf"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("hp", HP, ids=["fp32", "bf16", "fp16"])
+def test_cast_transpose_bitwise(hp, fp8, shape, special, in_kernel, monkeypatch):
+    monkeypatch.setattr(quantize, "_fused_transpose", in_kernel)
+    calls = _spy(monkeypatch)
+    x = _sample(shape, hp, special)
+    scale = torch.tensor([0.25, 3.7, 9.0], device="cuda")       # index 1 is used
+    history = torch.full((4, 3), 1e-20, device="cuda")          # below max|x|: the amax wins
+    hist_f, hist_r = history.clone(), history.clone()
+    q_f, qt_f = quantize.cast_transpose_to_fp8(x, scale, fp8, index=1, amax_history=hist_f,
+                                               transpose=True)
+    with quantize.use_fused_kernels(False):
+        q_r, qt_r = quantize.cast_transpose_to_fp8(x, scale, fp8, index=1, amax_history=hist_r,
+                                                   transpose=True)
+    assert len(calls) == 1
+    assert torch.equal(_bits(q_f.data), _bits(q_r.data))
+    assert torch.equal(_bits(qt_f.data), _bits(qt_r.data))
+    assert qt_f.data.shape == (shape[1], shape[0])
+    assert torch.equal(q_f.scale_inv, q_r.scale_inv) and qt_f.scale_inv is q_f.scale_inv
+    assert torch.equal(hist_f, hist_r) and hist_f[0, 1].item() > 1e-20
+    hist_f[0, 1] = 1e-20
+    assert torch.equal(hist_f, history)          # nothing else was written
+
+
+@cuda_triton
+def test_amax_slot_keeps_larger_prior_and_scale_inv_is_fresh():
+    x = torch.randn(64, 48, device="cuda")
+    history = torch.tensor([[1e6]], device="cuda")
+    scale = torch.tensor([2.0], device="cuda")
+    q, none = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_history=history)
+    assert none is None and history.item() == 1e6
+    scale.fill_(8.0)
+    assert q.scale_inv.item() == 0.5
+
+
+@cuda_triton
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length, n", [(1, 2), (16, 3), (1024, 40), (100, 70)])
+@pytest.mark.parametrize("margin, max_value", [(0, 448.0), (2, 57344.0)])
+def test_delayed_scaling_update_bitwise(algo, length, n, margin, max_value, monkeypatch):
+    monkeypatch.setattr(quantize, "_fused_update", True)
+    from transformer_engine.pytorch import triton_kernels
+    calls = []
+    real = triton_kernels.delayed_update
+    monkeypatch.setattr(triton_kernels, "delayed_update",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    h = torch.rand(length, n, device="cuda") * torch.exp2(
+        torch.randint(-20, 20, (length, n), device="cuda").float())
+    h[:, 0] = 0                                  # amax 0: keep the old scale
+    h[0, 1] = float("nan")                       # NaN / inf amax: keep the old scale
+    h[length // 2, 2] = float("inf")
+    if n > 3:
+        h[:, 3] = 1e-44                          # tiny amax: scale clamped to the float32 max
+    s = torch.rand(n, device="cuda") + 0.5
+    fused = quantize.delayed_scaling_update(h, s, max_value, margin, algo)
+    with quantize.use_fused_kernels(False):
+        ref = quantize.delayed_scaling_update(h, s, max_value, margin, algo)
+    assert len(calls) == 1
+    for a, b in zip(fused, ref):
+        assert torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
+    assert fused[0].isfinite().all()
+
+
+@cuda_triton
+@pytest.mark.parametrize("hp", HP, ids=["fp32", "bf16", "fp16"])
+def test_nan_propagates_like_reference(hp):
+    x = torch.randn(128, 64, device="cuda").to(hp)
+    x[7, 9] = float("nan")
+    scale = torch.ones(1, device="cuda")
+    slot_f, slot_r = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    q_f, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_slot=slot_f)
+    with quantize.use_fused_kernels(False):
+        q_r, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_slot=slot_r)
+    assert slot_f.isnan().all() and slot_r.isnan().all()
+    assert torch.equal(q_f.data.float().isnan(), q_r.data.float().isnan())
+    assert quantize.amax(x).isnan()
+
+
+@cuda_triton
+@pytest.mark.parametrize("hp", HP, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("numel", [1, 4095, 4097, 1 << 20])
+def test_amax_bitwise(hp, numel):
+    x = _sample((numel,), hp, special=False)
+    fused = quantize.amax(x)
+    with quantize.use_fused_kernels(False):
+        ref = quantize.amax(x)
+    assert fused.shape == () and fused.dtype == torch.float32
+    assert torch.equal(fused, ref)
+
+
+@cuda_triton
+def test_cast_to_fp8_non_contiguous_and_3d():
+    x = torch.randn(48, 32, device="cuda", dtype=torch.bfloat16).t()   # strides (1, 32)
+    y = torch.randn(2, 16, 48, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor([5.0], device="cuda")
+    for t in (x, y):
+        f = quantize.cast_to_fp8(t, scale, E4M3)
+        with quantize.use_fused_kernels(False):
+            r = quantize.cast_to_fp8(t, scale, E4M3)
+        assert f.data.shape == t.shape and torch.equal(_bits(f.data), _bits(r.data))
+
+
+def _train(fused: bool, recipe, bias: bool, steps: int = 3):
+    torch.manual_seed(7)
+    layer = te.Linear(64, 96, bias=bias, params_dtype=torch.bfloat16, device="cuda")
+    outs = []
+    with quantize.use_fused_kernels(fused):
+        for _ in range(steps):
+            x = torch.randn(80, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            with te.autocast(recipe=recipe):
+                y = layer(x)
+            y.float().pow(2).sum().backward()
+            outs += [y.detach(), x.grad, layer.weight.grad.clone()]
+            if bias:
+                outs.append(layer.bias.grad.clone())
+            layer.zero_grad()
+    return outs, fp8_state_snapshot([layer])
+
+
+@cuda_triton
+@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
+                                    DelayedScaling(fp8_format=Format.E4M3, margin=1),
+                                    Float8CurrentScaling()], ids=["delayed-hybrid",
+                                                                  "delayed-e4m3", "current"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opt-in"])
+def test_linear_training_fused_equals_reference(recipe, bias, opt_in, monkeypatch):
+    monkeypatch.setattr(quantize, "_fused_transpose", opt_in)
+    monkeypatch.setattr(quantize, "_fused_update", opt_in)
+    calls = _spy(monkeypatch)
+    fused, fused_state = _train(True, recipe, bias)
+    assert len(calls) == 9   # x, W, dy in each of three steps
+    ref, ref_state = _train(False, recipe, bias)
+    assert len(calls) == 9
+    assert_tensors_equal(fused, ref, "outputs and gradients")
+    assert_states_equal(fused_state, ref_state, "fp8 state")
+
+
+def test_use_fused_kernels_restores_and_validates():
+    before = quantize.fused_kernels_enabled()
+    with quantize.use_fused_kernels(not before):
+        assert quantize.fused_kernels_enabled() is (not before)
+        with pytest.raises(RuntimeError):
+            with quantize.use_fused_kernels(before):
+                raise RuntimeError("inside")
+        assert quantize.fused_kernels_enabled() is (not before)
+    assert quantize.fused_kernels_enabled() is before
+    with pytest.raises(TypeError, match=r"quantize.use_fused_kernels: enabled must be a bool, got 1"):
+        with quantize.use_fused_kernels(1):
+            pass
+
+
+def test_cast_transpose_rejects_bad_arguments():
+    with pytest.raises(ValueError,
+                       match=r"cast_transpose_to_fp8: x must be 2-D \[M, N\], got shape \(2, 3, 4\)"):
+        quantize.cast_transpose_to_fp8(torch.ones(2, 3, 4), torch.ones(1), E4M3)
+    with pytest.raises(ValueError, match="amax_history must be a float32 .* with n > index=2"):
+        quantize.cast_transpose_to_fp8(torch.ones(2, 3), torch.ones(3), E4M3, index=2,
+                                       amax_history=torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="index 1 is out of range for a scale of 1 element"):
+        quantize.cast_transpose_to_fp8(torch.ones(2, 3), torch.ones(1), E4M3, index=1)
+    with pytest.raises(TypeError, match="cast_transpose_to_fp8: dtype must be one of"):
+        quantize.cast_transpose_to_fp8(torch.ones(2, 3), torch.ones(1), torch.bfloat16)
+
+
+def test_cpu_reference_cast_transpose_matches_parts():
+    x = torch.randn(48, 32) * 10
+    history = torch.ones(3, 2)
+    q, qt = quantize.cast_transpose_to_fp8(x, torch.tensor([5.0, 2.0]), E5M2, index=1,
+                                           amax_history=history, transpose=True)
+    ref = quantize.cast_to_fp8(x, torch.tensor([2.0]), E5M2)
+    assert torch.equal(_bits(q.data), _bits(ref.data))
+    assert torch.equal(_bits(qt.data), _bits(ref.data.t().contiguous()))
+    expect = torch.ones(3, 2)
+    expect[0, 1] = x.abs().max()
+    assert torch.equal(history, expect)
+
+
+def test_cpu_delayed_scaling_update_is_the_formulas():
+    h = torch.tensor([[2.0, 0.0, 0.0], [8.0, 1.0, 0.0], [4.0, 4.0, 0.0]])
+    s = torch.tensor([1.0, 5.0, 7.0])
+    scale, scale_inv, hist = quantize.delayed_scaling_update(h, s, 448.0, 1, "max")
+    assert torch.equal(scale, torch.tensor([448.0 / 8 / 2, 448.0 / 4 / 2, 7.0]))  # amax 0: kept
+    assert torch.equal(scale_inv, 1 / scale)
+    assert torch.equal(hist, torch.tensor([[0.0, 0.0, 0.0], [4.0, 4.0, 0.0], [2.0, 0.0, 0.0]]))
+
+
+def test_cpu_path_imports_no_triton():
+    code = textwrap.dedent("""
+        import sys, torch
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling
+        m = te.Linear(32, 32, device="cpu")
+        x = torch.randn(16, 32, requires_grad=True)
+        with te.autocast(recipe=DelayedScaling()):
+            y = m(x)
+        y.sum().backward()
+        bad = [n for n in ("triton", "transformer_engine.pytorch.triton_kernels")
+               if n in sys.modules]
+        print("LOADED", bad)
+        sys.exit(1 if bad else 0)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr
