@@ -47,6 +47,12 @@ def _sample(shape, dtype, special: bool):
     return x.to(dtype)
 
 
+@pytest.fixture(autouse=True)
+def fused_casts_allowed(monkeypatch):
+    """The fused casts are opt-in (NOTE [Fused casts]); these tests exercise them."""
+    monkeypatch.setattr(quantize, "_fused_enabled", True)
+
+
 def _spy(monkeypatch):
     """Count calls of the fused cast kernel, to prove the fused path ran."""
     from transformer_engine.pytorch import triton_kernels
