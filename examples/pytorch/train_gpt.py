@@ -1,28 +1,37 @@
-"""Train a small character-level GPT built from te.TransformerLayer, in FP8 with
-activation checkpointing, choosing each layer's precision *inside* its checkpointed
-function (first and last layer in high precision, the rest in FP8).
+"""The main job: train a small character-level GPT built from ``te.TransformerLayer``
+in FP8 with delayed scaling and per-layer activation checkpointing, choosing each
+layer's precision *inside* its checkpointed function (the first and last layers in
+high precision, the others in FP8).
 
-By default it trains three configurations from the same seed and data:
-FP8 + checkpointing, FP8 without checkpointing (whose losses must coincide with the
-first, bit for bit), and a high-precision baseline (FP32 on CPU, BF16 on CUDA); then
-prints a summary, writes a JSON summary and a PNG of the loss curves.
+With no configuration flags it compares three runs from the same seed and data:
+FP8 + checkpointing, FP8 without checkpointing (its losses and FP8 scales must equal
+the first run's, bit for bit) and a high-precision baseline with checkpointing (FP32
+on CPU, BF16 on CUDA; ``--hp-dtype``). ``--precision`` / ``--no-checkpoint`` train one
+configuration instead. At the end it prints validation loss, tokens/s and peak memory
+and writes ``train_gpt_summary.json`` and ``train_gpt_loss.png`` into ``--out``.
 
-    python examples/pytorch/train_gpt.py                    # CPU, a few minutes
+    python examples/pytorch/train_gpt.py                        # CPU, about 3 minutes
     python examples/pytorch/train_gpt.py --device cuda --layers 8 --hidden 512
-    torchrun --nproc-per-node 2 examples/pytorch/train_gpt.py --runs fp8-ckpt
+    python examples/pytorch/train_gpt.py --precision fp8 --use-reentrant --steps 100
+    torchrun --nproc-per-node 2 examples/pytorch/train_gpt.py --precision fp8
+
+Under ``torchrun`` it trains data-parallel (DDP; gloo on CPU, NCCL on CUDA), each
+rank on its own batches, and the FP8 amaxes are all-reduced (MAX) over the
+data-parallel group, so every rank ends with the same FP8 scales.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import datetime
 import math
 import os
-import resource
 import sys
-import sysconfig
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -31,350 +40,392 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
 
-RUNS = {   # name -> (fp8, checkpoint)
-    "fp8-ckpt": (True, True),
-    "fp8": (True, False),
-    "hp": (False, False),
-}
-LABELS = {"fp8-ckpt": "FP8 + checkpointing", "fp8": "FP8, no checkpointing", "hp": "high precision"}
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)        # the helper modules beside this file (train_gpt_*.py)
+from train_gpt_data import CharData, load_text  # noqa: E402
+from train_gpt_report import Progress, SavedActivations, peak_memory_mb, report  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+__all__ = ["main", "parse_args", "build_parser", "resolve", "GPT", "RunConfig", "Outcome",
+           "train", "fp8_modules", "fp8_scales", "deterministic_kernels", "load_text", "CharData"]
 
 
-# ---- data -------------------------------------------------------------------------
+# ---- model --------------------------------------------------------------------------
 
-def load_text(path: str | None, max_bytes: int) -> tuple[bytes, str]:
-    """The training text: a file, every text file under a folder, or (default) the
-    source of the Python standard library on this machine, in sorted path order."""
-    if path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files, what = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts), \
-            f"Python {sys.version.split()[0]} standard library source ({root})"
-    else:
-        root = Path(path)
-        if root.is_file():
-            files, what = [root], str(root)
-        elif root.is_dir():
-            files, what = sorted(p for p in root.rglob("*") if p.is_file()), f"files under {root}"
-        else:
-            raise SystemExit(f"train_gpt.py: --data {path!r} is neither a file nor a folder")
-    chunks, total = [], 0
-    for f in files:
-        try:
-            data = f.read_bytes()
-        except OSError:
-            continue
-        if b"\0" in data[:1024]:        # skip binary files
-            continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    text = b"\n".join(chunks)[:max_bytes]
-    if len(text) < 10_000:
-        raise SystemExit(f"train_gpt.py: only {len(text)} bytes of text found in {what}")
-    return text, what
+@dataclass(frozen=True)
+class RunConfig:
+    """One training configuration."""
+
+    name: str
+    fp8: bool                 # middle layers in FP8
+    checkpoint: bool          # every layer checkpointed
+    hp_dtype: torch.dtype     # dtype of everything not in FP8
+
+    @property
+    def label(self) -> str:
+        hp = "BF16" if self.hp_dtype == torch.bfloat16 else "FP32"
+        what = f"FP8 (+{hp})" if self.fp8 else hp
+        return f"{what} {'+ checkpointing' if self.checkpoint else 'no checkpointing'}"
 
 
-class CharData:
-    """Byte-level tokens, split deterministically in blocks of 64 KiB: every tenth
-    block validates, the rest trains (so both sample the same mix of files)."""
+def fp8_layer_mask(num_layers: int, fp8: bool) -> List[bool]:
+    """Which layers run in FP8: all but the first and the last."""
+    return [fp8 and 0 < i < num_layers - 1 for i in range(num_layers)]
 
-    vocab_size = 256
-    block = 1 << 16
-
-    def __init__(self, text: bytes, seq_len: int, device):
-        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-        blocks = tokens.split(self.block)
-        self.train = torch.cat([b for i, b in enumerate(blocks) if i % 10 != 9])
-        self.val = torch.cat([b for i, b in enumerate(blocks) if i % 10 == 9])
-        self.seq_len, self.device = seq_len, device
-
-    def batch(self, split: str, batch_size: int, generator: torch.Generator):
-        data = self.train if split == "train" else self.val
-        starts = torch.randint(0, len(data) - self.seq_len - 1, (batch_size,), generator=generator)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)
-        chunk = data[idx]
-        return chunk[:, :-1].to(self.device), chunk[:, 1:].to(self.device)
-
-
-# ---- model ------------------------------------------------------------------------
 
 class GPT(torch.nn.Module):
-    def __init__(self, args, device):
+    """Token + learned position embedding, ``layers`` x ``te.TransformerLayer``,
+    ``te.LayerNorm`` and a ``te.Linear`` head; layers take ``[seq, batch, hidden]``."""
+
+    def __init__(self, args, device: torch.device):
         super().__init__()
         h = args.hidden
         self.tok_emb = torch.nn.Embedding(CharData.vocab_size, h, device=device)
         self.pos_emb = torch.nn.Embedding(args.seq_len, h, device=device)
         self.layers = torch.nn.ModuleList(
             te.TransformerLayer(h, 4 * h, args.heads, hidden_dropout=args.dropout,
-                                attention_dropout=args.dropout, layer_number=i + 1, device=device)
+                                attention_dropout=args.dropout, self_attn_mask_type="causal",
+                                layer_number=i + 1, params_dtype=torch.float32, device=device)
             for i in range(args.layers))
-        self.ln_f = te.LayerNorm(h, device=device)
-        self.head = te.Linear(h, CharData.vocab_size, bias=False, device=device)
+        self.ln_f = te.LayerNorm(h, params_dtype=torch.float32, device=device)
+        self.head = te.Linear(h, CharData.vocab_size, bias=False, params_dtype=torch.float32,
+                              device=device)
         for emb in (self.tok_emb, self.pos_emb):
             torch.nn.init.normal_(emb.weight, std=0.02)
+        # How forward runs; set by `configure` (kept out of forward's arguments for DDP).
+        self.layer_fp8 = [False] * args.layers
+        self.checkpoint, self.use_reentrant = False, False
+        self.recipe, self.amax_group = None, None
 
-    def forward(self, tokens, fp8: bool, checkpoint: bool, recipe, amax_group, use_reentrant):
+    def configure(self, config: RunConfig, recipe, amax_group, use_reentrant: bool) -> None:
+        self.layer_fp8 = fp8_layer_mask(len(self.layers), config.fp8)
+        self.checkpoint, self.use_reentrant = config.checkpoint, use_reentrant
+        self.recipe, self.amax_group = recipe, amax_group
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = (self.tok_emb(tokens) + self.pos_emb(pos)).transpose(0, 1).contiguous()  # [s, b, h]
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            layer_fp8 = fp8 and 0 < i < last
+        x = (self.tok_emb(tokens) + self.pos_emb(pos)).transpose(0, 1).contiguous()
+        for layer, layer_fp8 in zip(self.layers, self.layer_fp8):
 
-            def run_layer(hidden, layer=layer, layer_fp8=layer_fp8):
-                # The per-layer precision is chosen inside the checkpointed function.
-                with te.autocast(enabled=layer_fp8, recipe=recipe,
-                                 amax_reduction_group=amax_group if layer_fp8 else None):
+            def layer_fn(hidden, layer=layer, layer_fp8=layer_fp8):
+                # The precision of this layer is chosen inside the checkpointed function.
+                with te.autocast(enabled=layer_fp8, recipe=self.recipe,
+                                 amax_reduction_group=self.amax_group):
                     return layer(hidden)
 
-            if checkpoint and torch.is_grad_enabled():
-                x = te.checkpoint(run_layer, x, use_reentrant=use_reentrant)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = te.checkpoint(layer_fn, x, use_reentrant=self.use_reentrant)
             else:
-                x = run_layer(x)
-        x = self.ln_f(x).transpose(0, 1)
-        return self.head(x).float()
+                x = layer_fn(x)
+        return self.head(self.ln_f(x)).transpose(0, 1).float()     # [batch, seq, vocab]
 
 
-def fp8_modules(model):
+def fp8_modules(model: torch.nn.Module) -> list:
+    """The TE modules that hold delayed-scaling state (those that ran in FP8)."""
     return [m for m in model.modules() if isinstance(m, te.TransformerEngineBaseModule)
             and m.fp8_meta.get("scaling_fwd") is not None]
 
 
-# ---- one training run ---------------------------------------------------------------
+def fp8_scales(model: torch.nn.Module) -> torch.Tensor:
+    """Every FP8 module's forward and backward scales, concatenated (on the CPU)."""
+    parts = [m.fp8_meta[k].scale for m in fp8_modules(model) for k in ("scaling_fwd", "scaling_bwd")]
+    return torch.cat(parts).cpu() if parts else torch.empty(0)
 
-class Progress:
-    """tqdm when installed and on a terminal, else a line every tenth of the run."""
+# ---- training -----------------------------------------------------------------------
 
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self.total, self.desc, self.enabled, self.bar = total, desc, enabled, None
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, desc=desc, leave=True)
-            except ImportError:
-                pass
+@dataclass
+class Outcome:
+    """What one run produced: the JSON-able result, the trained model, and the FP8
+    scales after every step (for the bit-identity check)."""
 
-    def update(self, step: int, loss: float):
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}")
-            return
-        every = max(1, self.total // 10)
-        if step % every == 0 or step == self.total:
-            width = 30
-            done = int(width * step / self.total)
-            print(f"{self.desc:>22} [{'#' * done}{'.' * (width - done)}] {step}/{self.total} "
-                  f"loss {loss:.4f}", flush=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
+    result: dict
+    model: GPT
+    scale_trace: List[torch.Tensor] = field(default_factory=list)
 
 
-def train(name: str, args, data: CharData, device, rank: int, world: int, amax_group):
-    fp8, checkpoint = RUNS[name]
+def learning_rate(args, step: int) -> float:
+    """Linear warm-up over the first 5% of steps, then cosine decay to 10%."""
+    warmup = max(1, args.steps // 20)
+    if step <= warmup:
+        return args.lr * step / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
+
+
+def mixed_precision(config: RunConfig, device: torch.device):
+    """torch.autocast to BF16 when the high-precision dtype is BF16; else nothing."""
+    if config.hp_dtype == torch.bfloat16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, args, data: CharData, config: RunConfig, device, batches: int) -> float:
+    """Mean validation loss over fixed batches (the same on every rank and in every run)."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(args.seed + 12345)
+    total = 0.0
+    for _ in range(batches):
+        x, y = data.batch("val", args.batch, gen)
+        with mixed_precision(config, device):
+            logits = model(x)
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    model.train(was_training)
+    return total / batches
+
+
+def train(config: RunConfig, args, data: CharData, device: torch.device, rank: int,
+          world: int, amax_group) -> Outcome:
+    """One training run from ``args.seed``; returns its `Outcome`."""
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(args.seed)
         torch.cuda.reset_peak_memory_stats(device)
-    te.FP8GlobalStateManager.reset()
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16,
+                            amax_compute_algo="max", reduce_amax=not args.no_amax_reduce)
     model = GPT(args, device)
+    model.configure(config, recipe, amax_group, args.use_reentrant)
     ddp = model
     if world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-    use_bf16 = device.type == "cuda"
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    losses, scale_trace = [], []
-    progress = Progress(args.steps, LABELS[name], rank == 0 and not args.quiet)
-    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(args.seed * 7919 + rank)     # each rank its own batches
+    outcome = Outcome({}, model)
+    losses, val_curve, saved = [], [], SavedActivations()
+    tokens_per_step = args.batch * args.seq_len * world
+    progress = Progress(args.steps, config.label, rank == 0 and not args.quiet)
+    train_seconds = 0.0
     for step in range(1, args.steps + 1):
-        lr = args.lr * min(1.0, step / max(1, args.steps // 10))
+        start = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = learning_rate(args, step)
         x, y = data.batch("train", args.batch, gen)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            logits = ddp(x, fp8, checkpoint, recipe, amax_group, args.use_reentrant)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        with saved.context() if step == 1 else contextlib.nullcontext():
+            with mixed_precision(config, device):
+                logits = ddp(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
+        del logits        # drop the graph now (with it the checkpoint calls' FP8 stashes)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_value = loss.item()
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        loss_value = loss.item()                 # also waits for the device
+        train_seconds += time.perf_counter() - start
         if not math.isfinite(loss_value):
-            raise SystemExit(f"train_gpt.py: {name}: loss is {loss_value} at step {step}")
+            raise RuntimeError(f"train_gpt.py: {config.label}: the loss is {loss_value} "
+                               f"at step {step}; try a lower --lr")
         losses.append(loss_value)
-        if fp8:
-            scale_trace.append(torch.cat([m.fp8_meta["scaling_fwd"].scale
-                                          for m in fp8_modules(model)]).cpu())
-        progress.update(step, loss_value)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - start
+        if config.fp8:
+            outcome.scale_trace.append(fp8_scales(model))
+        if args.eval_interval and step % args.eval_interval == 0 and step < args.steps:
+            val_curve.append([step, evaluate(model, args, data, config, device, 4)])
+        progress.update(step, loss_value, tokens_per_step * step / train_seconds)
     progress.close()
-    val = evaluate(model, args, data, fp8, recipe, device)
-    result = {
-        "run": name, "label": LABELS[name], "fp8": fp8, "checkpoint": checkpoint,
-        "train_loss": losses, "final_train_loss": losses[-1], "val_loss": val,
-        "tokens_per_s": args.steps * args.batch * args.seq_len * world / elapsed,
-        "seconds": elapsed,
-        "peak_memory_mb": (torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda"
-                           else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "recompute_stash_tensors_after": te.distributed.recompute_stash_count(),
+    val_loss = evaluate(model, args, data, config, device, args.eval_batches)
+    val_curve.append([args.steps, val_loss])
+    outcome.result = {
+        "run": config.name, "label": config.label, "fp8": config.fp8,
+        "checkpoint": config.checkpoint, "hp_dtype": str(config.hp_dtype).replace("torch.", ""),
+        "fp8_layers": [i for i, f in enumerate(model.layer_fp8) if f],
+        "train_loss": losses, "val_curve": val_curve, "final_train_loss": losses[-1],
+        "val_loss": val_loss, "tokens_per_s": tokens_per_step * args.steps / train_seconds,
+        "train_seconds": train_seconds, "peak_memory_mb": peak_memory_mb(device),
+        "saved_activations_mb": saved.megabytes,
+        "recompute_stash_tensors_left": te.distributed.recompute_stash_count(),
     }
-    if fp8 and world > 1:
-        result["fp8_scales_identical_across_ranks"] = scales_identical(model, device)
-    return result, scale_trace
+    if world > 1 and config.fp8:
+        outcome.result["fp8_scales_identical_across_ranks"] = identical_across_ranks(
+            fp8_scales(model).to(device))
+    return outcome
 
 
-@torch.no_grad()
-def evaluate(model, args, data, fp8, recipe, device, batches: int = 8) -> float:
-    model.eval()
-    gen = torch.Generator().manual_seed(12345)
-    total = 0.0
-    for _ in range(batches):
-        x, y = data.batch("val", args.batch, gen)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(x, fp8, False, recipe, None, args.use_reentrant)
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
-    model.train()
-    return total / batches
-
-
-def scales_identical(model, device) -> bool:
-    scales = torch.cat([torch.cat([m.fp8_meta[k].scale for k in ("scaling_fwd", "scaling_bwd")])
-                        for m in fp8_modules(model)]).to(device)
-    gathered = [torch.empty_like(scales) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, scales)
+def identical_across_ranks(t: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
     return all(torch.equal(gathered[0], g) for g in gathered[1:])
 
+# ---- command line -------------------------------------------------------------------
 
-# ---- reporting ----------------------------------------------------------------------
-
-def plot(results, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("train_gpt.py: matplotlib is not installed, no plot written "
-              "(pip install matplotlib, or pass --no-plot)")
-        return False
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    styles = {"fp8-ckpt": dict(lw=2.5, color="tab:blue"),
-              "fp8": dict(lw=1.2, ls="--", color="tab:orange"),
-              "hp": dict(lw=1.2, color="tab:green")}
-    for r in results:
-        ax.plot(range(1, len(r["train_loss"]) + 1), r["train_loss"],
-                label=f"{r['label']} (val {r['val_loss']:.3f})", **styles[r["run"]])
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (cross-entropy, nats/char)")
-    ax.set_title("Character-level GPT from te.TransformerLayer")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--runs", default="fp8-ckpt,fp8,hp",
-                   help=f"comma-separated configurations to train, from {list(RUNS)}")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a character-level GPT from te.TransformerLayer in FP8 with "
+                    "per-layer checkpointing (see the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--compare", action="store_true",
+                   help="train FP8 + checkpointing, FP8 without checkpointing and the "
+                        "high-precision baseline (the default without --precision/--no-checkpoint)")
+    p.add_argument("--precision", choices=["fp8", "bf16", "fp32"], default=None,
+                   help="train one configuration: FP8 middle layers (the rest in --hp-dtype), "
+                        "or everything in BF16 / FP32")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="train one configuration without activation checkpointing")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--use-reentrant", dest="use_reentrant", action="store_true",
+                      help="reentrant checkpointing")
+    mode.add_argument("--non-reentrant", dest="use_reentrant", action="store_false",
+                      help="non-reentrant checkpointing (the default)")
+    p.set_defaults(use_reentrant=False)
+    p.add_argument("--hp-dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype of the baseline and of everything outside FP8 "
+                        "(default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step per process")
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--data", default=None,
                    help="a text file or folder (default: this Python's standard library source)")
-    p.add_argument("--max-bytes", type=int, default=4_000_000)
-    p.add_argument("--use-reentrant", action="store_true",
-                   help="reentrant checkpointing (default: non-reentrant)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="cap on the text read")
+    p.add_argument("--eval-interval", type=int, default=None,
+                   help="steps between validation points (default: a tenth of --steps; 0: only at the end)")
+    p.add_argument("--eval-batches", type=int, default=16, help="batches of the final validation")
+    det = p.add_mutually_exclusive_group()
+    det.add_argument("--deterministic", dest="deterministic", action="store_true", default=None,
+                     help="deterministic CUDA kernels (math attention, torch deterministic "
+                          "algorithms): slower, but runs repeat bit for bit (default: on for "
+                          "--compare on CUDA, where the checkpointing comparison needs it)")
+    det.add_argument("--nondeterministic", dest="deterministic", action="store_false",
+                     help="the fastest CUDA kernels (FlashAttention's backward adds in any order)")
+    p.add_argument("--no-amax-reduce", action="store_true",
+                   help="do not all-reduce FP8 amaxes over the data-parallel ranks "
+                        "(their scales then drift apart; for comparison)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="folder for the JSON summary and the plot")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG (headless CI)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None):
+    """The arguments, checked and resolved (`resolve`); a bad one exits with usage."""
+    p = build_parser()
     args = p.parse_args(argv)
-    names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        p.error(f"--runs: unknown configuration(s) {unknown}; choose from {list(RUNS)}")
-    args.run_names = names
-    if (args.batch * args.seq_len) % 16 or args.hidden % 16 or args.hidden % args.heads:
-        p.error("--batch * --seq-len and --hidden must be multiples of 16 (FP8 GEMMs), "
-                "and --hidden a multiple of --heads")
-    if args.layers < 3 and any(RUNS[n][0] for n in names):
-        print("train_gpt.py: with fewer than 3 layers no layer runs in FP8 "
-              "(the first and last stay in high precision)")
+    try:
+        resolve(args)
+    except ValueError as err:
+        p.error(str(err))
     return args
 
 
-def main(argv=None):
+def resolve(args) -> None:
+    """Check the arguments and fill in ``args.configs`` (the runs) and the defaults
+    that depend on others; raises ValueError saying which flag to change."""
+    single = args.precision is not None or args.no_checkpoint
+    if args.compare and single:
+        raise ValueError("--compare trains its three fixed configurations; drop --precision / "
+                         "--no-checkpoint, or drop --compare to train one configuration")
+    for name in ("steps", "layers", "hidden", "heads", "seq_len", "batch", "eval_batches"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.hidden % 16 or args.hidden % args.heads:
+        raise ValueError(f"--hidden must be a multiple of 16 (FP8 GEMMs) and of --heads; "
+                         f"got --hidden {args.hidden} --heads {args.heads}")
+    if (args.batch * args.seq_len) % 16:
+        raise ValueError(f"--batch x --seq-len must be a multiple of 16 (FP8 GEMMs); got "
+                         f"{args.batch} x {args.seq_len}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.eval_interval is None:
+        args.eval_interval = max(1, args.steps // 10)
+    if args.eval_interval < 0:
+        raise ValueError(f"--eval-interval must be >= 0, got {args.eval_interval}")
+    if args.deterministic is None:
+        args.deterministic = args.device == "cuda" and not single
+    if args.hp_dtype is None:
+        args.hp_dtype = "bf16" if args.device == "cuda" else "fp32"
+    hp = DTYPES[args.hp_dtype]
+    if single:
+        precision = args.precision or "fp8"
+        dtype = hp if precision == "fp8" else DTYPES[precision]
+        name = precision + ("" if args.no_checkpoint else "-ckpt")
+        args.configs = [RunConfig(name, precision == "fp8", not args.no_checkpoint, dtype)]
+    else:
+        args.compare = True
+        args.configs = [RunConfig("fp8-ckpt", True, True, hp), RunConfig("fp8", True, False, hp),
+                        RunConfig(f"{args.hp_dtype}-ckpt", False, True, hp)]
+
+
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool):
+    """Deterministic kernels while inside (math attention, torch's deterministic
+    algorithms, a fixed cuBLAS workspace); puts back what it found."""
+    if not enabled:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    saved_env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved_env or ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        if saved_env is None:
+            del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+
+
+def main(argv=None) -> List[Outcome]:
+    """Train the configured runs; returns their outcomes (on every rank)."""
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("train_gpt.py: --device cuda, but CUDA is not available")
+    with deterministic_kernels(args.deterministic):
+        return _main(args)
+
+
+def _main(args) -> List[Outcome]:
+    own_group = False
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
+        own_group = True
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    amax_group = None
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        amax_group = dist.new_group(list(range(world)))   # FP8 amax reduction over the DP group
-    text, source = load_text(args.data, args.max_bytes)
-    data = CharData(text, args.seq_len, device)
-    if rank == 0:
-        print(f"data: {len(text):,} bytes of {source}; {len(data.train):,} train / "
-              f"{len(data.val):,} validation tokens; {world} process(es) on {device}")
-    results, traces = [], {}
-    for name in args.run_names:
-        result, traces[name] = train(name, args, data, device, rank, world, amax_group)
-        results.append(result)
-    if rank == 0:
-        report(args, results, traces, device, world)
-    if world > 1:
-        dist.destroy_process_group()
-    return results
-
-
-def report(args, results, traces, device, world):
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"\n{'run':<24}{'val loss':>10}{'train loss':>12}{'tokens/s':>11}{'peak MB':>10}")
-    for r in results:
-        print(f"{r['label']:<24}{r['val_loss']:>10.4f}{r['final_train_loss']:>12.4f}"
-              f"{r['tokens_per_s']:>11.0f}{r['peak_memory_mb']:>10.0f}")
-    by = {r["run"]: r for r in results}
-    summary = {"args": {k: v for k, v in vars(args).items() if k != "run_names"},
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "world_size": world, "torch": torch.__version__, "runs": results}
-    if "fp8-ckpt" in by and "fp8" in by:
-        same = by["fp8-ckpt"]["train_loss"] == by["fp8"]["train_loss"]
-        same_scales = all(torch.equal(a, b) for a, b in zip(traces["fp8-ckpt"], traces["fp8"]))
-        summary["checkpointing_bit_identical"] = same and same_scales
-        print(f"FP8 with and without checkpointing: losses identical {same}, "
-              f"FP8 scales identical after every step {same_scales}")
-    for r in results:
-        if "fp8_scales_identical_across_ranks" in r:
-            print(f"{r['label']}: FP8 scales identical across {world} ranks: "
-                  f"{r['fp8_scales_identical_across_ranks']}")
-    if device.type == "cpu":
-        print("(peak MB on CPU is the process's maximum resident set so far, not per run)")
-    (out / "train_gpt_summary.json").write_text(json.dumps(summary, indent=1))
-    if not args.no_plot and plot(results, out / "train_gpt_loss.png"):
-        print(f"plot: {out / 'train_gpt_loss.png'}")
-    print(f"summary: {out / 'train_gpt_summary.json'}")
+    try:
+        if any(c.fp8 for c in args.configs):
+            ok, reason = te.is_fp8_available(return_reason=True, device=device)
+            if not ok:
+                raise SystemExit(f"train_gpt.py: FP8 is not available on {device}: {reason}; "
+                                 "train with --precision bf16 or fp32")
+            if args.layers < 3 and rank == 0:
+                print("train_gpt.py: with fewer than 3 layers no layer runs in FP8 "
+                      "(the first and the last stay in high precision)")
+        # The amax reduction group: the data-parallel group (here, all ranks).
+        amax_group = dist.new_group(list(range(world))) if world > 1 else None
+        try:
+            text, source = load_text(args.data, args.max_bytes)
+            data = CharData(text, args.seq_len, device)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        if rank == 0:
+            print(f"data: {len(text):,} bytes of {source}: {len(data.train):,} training and "
+                  f"{len(data.val):,} validation tokens; {world} process(es) on {device}")
+        outcomes = [train(c, args, data, device, rank, world, amax_group) for c in args.configs]
+        if rank == 0:
+            report(args, outcomes, device, world, source)
+        return outcomes
+    finally:
+        if own_group:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

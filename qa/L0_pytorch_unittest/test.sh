@@ -19,6 +19,7 @@ TESTS=(
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_triton_kernels.py
+    tests/pytorch/test_train_gpt.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py
