@@ -101,7 +101,7 @@ def test_nested_depth_3(use_reentrant, depth):
 # ---- 2. exceptions ---------------------------------------------------------------------
 
 class Boom(Exception):
-    pass
+    """Raised on purpose inside checkpointed functions."""
 
 
 def _exception_run(placement, checkpointed, use_reentrant, fail, steps=(0, 1, 2)):

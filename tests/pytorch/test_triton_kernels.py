@@ -219,7 +219,7 @@ def test_use_fused_kernels_restores_and_validates():
     assert quantize.fused_kernels_enabled() is before
     with pytest.raises(TypeError, match=r"quantize.use_fused_kernels: enabled must be a bool, got 1"):
         with quantize.use_fused_kernels(1):
-            pass
+            raise AssertionError("use_fused_kernels should have refused 1")
 
 
 def test_cast_transpose_rejects_bad_arguments():
