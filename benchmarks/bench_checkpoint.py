@@ -19,7 +19,10 @@ heads, sequence 2048, dropout 0), each layer checkpointed on its own. Modes:
   recompute should stay under.
 
 Medians of CUDA-event-timed steps after warm-up, the modes of one precision
-timed round-robin. Peak activation memory is the
+timed round-robin (one step of each per round). The bookkeeping overhead is the
+median over rounds of the paired difference ``(with - without) / without`` of
+steps of the same round, with its interquartile range, so that drift between
+rounds cancels. Peak activation memory is the
 peak allocated during a step minus what was allocated before it (parameters,
 gradients, inputs). The table is printed last; the JSON goes to ``--out``.
 """
@@ -133,7 +136,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -170,21 +173,25 @@ def main(argv=None):
         extra = (r["ms"] - none["ms"]) / fwd["ms"] if mode not in ("none", "forward") else None
         book = None
         if mode.endswith("_nobook"):
-            with_book = res[key.replace("_nobook", "")]["ms"]
-            book = (with_book - r["ms"]) / r["ms"]
+            with_book = res[key.replace("_nobook", "")]["times_ms"]
+            paired = sorted((a - b) / b for a, b in zip(with_book, r["times_ms"]))
+            book = statistics.median(paired)
+            q = statistics.quantiles(paired, n=4)
             r["bookkeeping_overhead"] = book
+            r["bookkeeping_overhead_iqr"] = [q[0], q[2]]
         r["extra_over_forward"] = extra
         r["memory_ratio"] = r["peak_bytes"] / none["peak_bytes"]
         rows.append([key, f"{r['ms']:.2f}", f"{r['ms'] / none['ms']:.3f}",
                      "" if extra is None else f"{extra:.2f}",
                      f"{r['peak_bytes'] / 2**30:.2f}", f"{r['memory_ratio']:.3f}",
-                     "" if book is None else f"{100 * book:+.2f}%"])
+                     "" if book is None else
+                     f"{100 * book:+.2f}% [{100 * q[0]:+.1f}, {100 * q[2]:+.1f}]"])
     path = write_json(result, "bench_checkpoint", args.out)
     print(f"\nwrote {path}")
     print(f"\n{args.layers} x te.TransformerLayer(hidden {h}, ffn {4 * h}, heads {args.heads}), "
           f"seq {args.seq}, batch {args.batch}, bf16 params; {env['card']}, torch {env['torch']}")
     print(table(rows, ["precision/mode", "step ms", "vs none", "extra/fwd", "peak act GiB",
-                       "mem ratio", "bookkeeping"]))
+                       "mem ratio", "bookkeeping [IQR]"]))
 
 
 if __name__ == "__main__":

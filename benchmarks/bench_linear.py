@@ -15,15 +15,22 @@ repeats after warm-up (L2 flushed between repeats):
 - ``nn_bf16``: ``torch.nn.Linear`` in bf16, forward + backward.
 - ``te_fp8``: ``te.Linear`` (bf16 parameters and activations) inside
   ``te.autocast(recipe=DelayedScaling())``, forward + backward, with the delayed
-  scaling updates; ``te_fp8_unfused``: the same with the torch reference casts.
-  The opt-in fusions of NOTE [Fused casts] follow ``NVTE_FUSED_FP8_TRANSPOSE`` /
-  ``NVTE_FUSED_FP8_UPDATE``; the JSON records which were on.
+  scaling updates, in the default configuration (the fused kernels of NOTE [Fused
+  casts], launched as NOTE [Launch overhead] in triton_kernels.py says);
+  ``te_fp8_jit``: the same with every Triton launch through Triton's JIT;
+  ``te_fp8_unfused``: the same with the torch reference casts and update.
 - ``torchao_fp8``: ``torchao.float8`` tensorwise, ``torch.compile``-d.
+
+Before the shapes it measures the host side (nothing profiled yet, since a profiler
+can slow every later launch): one step at 256x256x256, where the GPU work is
+negligible, timed as above and as host wall time per step over many steps; and the
+host cost of one launch of the cast kernel, through the JIT and direct.
+After the shapes: a cProfile of te's tiny step (Python functions by own time) and,
+with ``--profile``, a torch.profiler breakdown of the steps by kernel.
 
 TFLOP/s = 6 M K N / time. The table is printed last; the JSON (card, versions,
 shapes, medians, command) goes to ``--out`` (default ``benchmarks/results``).
-``--profile`` adds a torch.profiler breakdown of one shape's te/nn/torchao steps
-by kernel; ``--tune`` times tile settings of the fused cast kernel.
+``--tune`` times tile settings of the fused cast kernel.
 """
 
 from __future__ import annotations
@@ -95,17 +102,30 @@ def nn_step(m, k, n):
     return step, [x, lin.weight]
 
 
-def te_step(m, k, n, fused=True):
+def te_step(m, k, n, variant="default"):
+    """``variant``: "default", "jit" (every Triton launch through the JIT) or
+    "unfused" (the torch reference casts and update)."""
+    from transformer_engine.pytorch import triton_kernels
     layer = te.Linear(k, n, bias=False, params_dtype=BF16, device="cuda")
     x, dy = _inputs(m, k, n)
     recipe = DelayedScaling()
 
     def step():
-        with quantize.use_fused_kernels(fused):
-            with te.autocast(enabled=True, recipe=recipe):
-                y = layer(x)
-            y.backward(dy)
-    return step, [x, layer.weight]
+        with te.autocast(enabled=True, recipe=recipe):
+            y = layer(x)
+        y.backward(dy)
+    if variant == "default":
+        return step, [x, layer.weight]
+
+    def step_variant():
+        saved = triton_kernels.direct_launch
+        triton_kernels.direct_launch = variant != "jit"
+        try:
+            with quantize.use_fused_kernels(variant != "unfused"):
+                step()
+        finally:
+            triton_kernels.direct_launch = saved
+    return step_variant, [x, layer.weight]
 
 
 def torchao_step(m, k, n):
@@ -188,12 +208,69 @@ def host_profile(run, iters: int = 20) -> dict:
             "top_self_cpu_us": [{"op": k[:100], "calls": c, "self_us": t} for k, c, t in ops[:25]]}
 
 
+def host_wall_us(run, steps: int = 300) -> float:
+    """Host wall time per step (us) over many steps with one sync at the end: for a
+    step whose GPU work is negligible, the host cost of the step."""
+    for _ in range(20):
+        run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def python_profile(run, steps: int = 300, top: int = 30) -> list:
+    """cProfile of ``steps`` steps: Python functions by own time, per step (us)."""
+    import cProfile
+    import pstats
+    for _ in range(20):
+        run()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        run()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [{"function": f"{os.path.basename(f)}:{line}({name})", "calls_per_step": cc / steps,
+             "own_us_per_step": tt / steps * 1e6, "cum_us_per_step": ct / steps * 1e6}
+            for (f, line, name), (cc, _, tt, ct, _) in stats.items()]
+    rows.sort(key=lambda r: -r["own_us_per_step"])
+    return rows[:top]
+
+
+def launch_overhead_us(launches: int = 2000) -> dict:
+    """Host cost of one launch of the cast kernel on a tiny tensor (us), through
+    Triton's JIT and through the cached compiled kernel (NOTE [Launch overhead]);
+    and of a small torch op, for scale."""
+    from transformer_engine.pytorch import triton_kernels as tk
+    x = torch.randn(64, 64, device="cuda", dtype=BF16)
+    scale, hist = torch.ones(1, device="cuda"), torch.zeros(4, 1, device="cuda")
+    out = {}
+    for name, direct in (("triton_jit", False), ("triton_direct", True)):
+        saved = tk.direct_launch
+        tk.direct_launch = direct
+        try:
+            out[name] = host_wall_us(lambda: tk.cast_transpose(
+                x, scale, E4M3, amax_history=hist, transpose=True), launches)
+        finally:
+            tk.direct_launch = saved
+    out["torch_add"] = host_wall_us(lambda: x.add(1), launches)
+    out["torch_empty"] = host_wall_us(lambda: torch.empty(64, 64, device="cuda"), launches)
+    return out
+
+
 def _category(name: str) -> str:
     low = name.lower()
     if "cast_transpose_kernel" in low:
         return "fused cast+amax+transpose (ours)"
     if "_amax_kernel" in low:
         return "amax (ours)"
+    if "_delayed_update_kernel" in low:
+        return "delayed-scaling update (ours)"
     if any(s in low for s in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "scaled_mm")):
         return "GEMM"
     if "triton" in low:
@@ -229,19 +306,28 @@ def tune_cast(timer) -> list:
     return rows
 
 
+TE_VARIANTS = {"te_fp8": "default", "te_fp8_jit": "jit", "te_fp8_unfused": "unfused"}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
                    help="comma-separated MxKxN (default: the 12 shapes of issue 6)")
     p.add_argument("--no-torchao", action="store_true")
-    p.add_argument("--no-unfused", action="store_true", help="skip te with reference casts")
-    p.add_argument("--profile", type=parse_shapes, default=[], help="MxKxN to profile")
+    p.add_argument("--variants", default="te_fp8,te_fp8_jit,te_fp8_unfused",
+                   help=f"te variants to time, of {sorted(TE_VARIANTS)}")
+    p.add_argument("--profile", type=parse_shapes, default=[], help="MxKxN to profile by kernel")
     p.add_argument("--tune", action="store_true")
     p.add_argument("--rep-ms", type=float, default=300)
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear.py: needs a CUDA GPU")
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in TE_VARIANTS]
+    if bad or "te_fp8" not in variants:
+        raise SystemExit(f"bench_linear.py: --variants must include te_fp8 and name only "
+                         f"{sorted(TE_VARIANTS)}, got {args.variants!r}")
     timer = lambda fn: median_ms(fn, rep_ms=args.rep_ms)  # noqa: E731
     env = environment()
     torchao_error = None
@@ -252,18 +338,30 @@ def main(argv=None):
         except Exception as err:  # report exactly why it cannot run
             torchao_error = f"{type(err).__name__}: {err}"
             env["torchao"] = None
+    use_torchao = not args.no_torchao and torchao_error is None
+    from transformer_engine.pytorch import triton_kernels
     result = {"env": env, "shapes": [list(s) for s in args.shapes], "results": [],
               "torchao_error": torchao_error,
               "fusions": {"casts": quantize.fused_kernels_enabled(),
                           "in_kernel_transpose": quantize._fused_transpose,
-                          "one_launch_update": quantize._fused_update}}
+                          "one_launch_update": quantize._fused_update,
+                          "direct_launch": triton_kernels.direct_launch}}
 
-    # host overhead of one te.Linear fwd+bwd step: a tiny shape, GPU time negligible
+    # ---- host side first: no profiler has run yet --------------------------------
     tiny = {}
-    for name, make in (("te_fp8", te_step), ("nn_bf16", nn_step)):
-        tiny[name] = timed(make, timer, 256, 256, 256)[0]
-    result["tiny_256_step_ms"] = tiny
-    result["host_profile_te_256"] = host_profile(prepare(te_step, 256, 256, 256))
+    makers = {"nn_bf16": (nn_step, {})}
+    makers.update({v: (te_step, {"variant": TE_VARIANTS[v]}) for v in variants})
+    if use_torchao:
+        makers["torchao_fp8"] = (torchao_step, {})
+    for name, (make, kw) in makers.items():
+        run = prepare(make, 256, 256, 256, **kw)
+        tiny[name] = {"event_ms": timer(run), "host_wall_us": host_wall_us(run)}
+    result["tiny_256"] = tiny
+    result["launch_overhead_us"] = launch_overhead_us()
+    print("host side at 256x256x256 (GPU work negligible): " + ", ".join(
+        f"{k} {v['host_wall_us']:.0f} us/step" for k, v in tiny.items()), flush=True)
+    print("one launch (host us): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in result["launch_overhead_us"].items()), flush=True)
 
     if args.tune:
         result["tune_cast"] = tune_cast(timer)
@@ -274,18 +372,17 @@ def main(argv=None):
         r = {"M": m, "K": k, "N": n}
         r.update(bare_gemms(m, k, n, timer))
         r["nn_bf16"], _ = timed(nn_step, timer, m, k, n)
-        r["te_fp8"], _ = timed(te_step, timer, m, k, n)
-        if not args.no_unfused:
-            r["te_fp8_unfused"], _ = timed(te_step, timer, m, k, n, fused=False)
-        if torchao_error is None and not args.no_torchao:
+        for v in variants:
+            r[v], _ = timed(te_step, timer, m, k, n, variant=TE_VARIANTS[v])
+        if use_torchao:
             try:
                 r["torchao_fp8"], _ = timed(torchao_step, timer, m, k, n)
             except Exception as err:
                 torchao_error = result["torchao_error"] = f"{type(err).__name__}: {err}"[:2000]
+                use_torchao = False
         flops = 6.0 * m * k * n
         r["tflops"] = {key: flops / (r[key] * 1e9) for key in
-                       ("bf16_gemms", "fp8_gemms", "nn_bf16", "te_fp8", "te_fp8_unfused",
-                        "torchao_fp8") if key in r}
+                       ["bf16_gemms", "fp8_gemms", "nn_bf16", "torchao_fp8"] + variants if key in r}
         r["te_over_nn"] = r["nn_bf16"] / r["te_fp8"]
         r["ceiling_fp8_over_bf16"] = r["bf16_gemms"] / r["fp8_gemms"]
         if "torchao_fp8" in r:
@@ -293,22 +390,26 @@ def main(argv=None):
         r["seconds"] = time.time() - t0
         result["results"].append(r)
         print(f"{m}x{k}x{n}: " + ", ".join(f"{key} {r[key]:.3f} ms" for key in
-              ("fp8_gemms", "bf16_gemms", "nn_bf16", "te_fp8", "te_fp8_unfused", "torchao_fp8")
-              if key in r), flush=True)
-        rows.append([f"{m}x{k}x{n}", f"{r['tflops']['bf16_gemms']:.0f}",
-                     f"{r['tflops']['fp8_gemms']:.0f}", f"{r['tflops']['nn_bf16']:.0f}",
-                     f"{r['tflops']['te_fp8']:.0f}",
-                     f"{r['tflops'].get('te_fp8_unfused', float('nan')):.0f}",
-                     f"{r['tflops'].get('torchao_fp8', float('nan')):.0f}",
+              ["fp8_gemms", "bf16_gemms", "nn_bf16", "torchao_fp8"] + variants if key in r),
+              flush=True)
+        tf = r["tflops"]
+        rows.append([f"{m}x{k}x{n}", f"{tf['bf16_gemms']:.0f}", f"{tf['fp8_gemms']:.0f}",
+                     f"{tf['nn_bf16']:.0f}", f"{tf['te_fp8']:.0f}",
+                     f"{tf.get('te_fp8_jit', float('nan')):.0f}",
+                     f"{tf.get('te_fp8_unfused', float('nan')):.0f}",
+                     f"{tf.get('torchao_fp8', float('nan')):.0f}",
                      f"{r['ceiling_fp8_over_bf16']:.2f}", f"{r['te_over_nn']:.2f}",
                      f"{r.get('te_over_torchao', float('nan')):.2f}"])
         write_json(result, "bench_linear", args.out)   # keep partial results
 
+    # ---- profilers last ------------------------------------------------------------
+    result["python_profile_te_256"] = python_profile(prepare(te_step, 256, 256, 256))
+    result["host_profile_te_256"] = host_profile(prepare(te_step, 256, 256, 256))
     if args.profile:
         result["profile"] = {}
         for (m, k, n) in args.profile:
             runs = {"te_fp8": prepare(te_step, m, k, n), "nn_bf16": prepare(nn_step, m, k, n)}
-            if torchao_error is None and not args.no_torchao:
+            if use_torchao:
                 runs["torchao_fp8"] = prepare(torchao_step, m, k, n)
             result["profile"][f"{m}x{k}x{n}"] = profile_steps(runs)
 
@@ -325,14 +426,14 @@ def main(argv=None):
                                                                  key=lambda kv: -kv[1]))
             print(f"profile {shape} {name}: {rep['total_ms']:.3f} ms/step on the GPU: {cats}")
     hp = result["host_profile_te_256"]
-    print(f"tiny 256^3 step (host overhead): te {tiny['te_fp8']:.3f} ms, "
-          f"nn {tiny['nn_bf16']:.3f} ms; te: {hp['aten_calls_per_step']:.0f} aten calls, "
-          f"{hp['launches_per_step']:.0f} launches per step; top self CPU: " + ", ".join(
-              f"{o['op']} {o['self_us']:.0f}us/{o['calls']:.0f}" for o in hp["top_self_cpu_us"][:8]))
+    print(f"te step at 256^3: {hp['aten_calls_per_step']:.0f} aten calls, "
+          f"{hp['launches_per_step']:.0f} launches; Python own time per step: " + ", ".join(
+              f"{r['function']} {r['own_us_per_step']:.0f}us"
+              for r in result["python_profile_te_256"][:10]))
     print(f"\nte.Linear fwd+bwd, TFLOP/s (6MKN/t), {env['card']}, torch {env['torch']}, "
           f"triton {env['triton']}, torchao {env.get('torchao')}")
-    print(table(rows, ["MxKxN", "bf16 GEMMs", "fp8 GEMMs", "nn bf16", "te fp8", "te unfused",
-                       "torchao", "ceiling", "te/nn", "te/ao"]))
+    print(table(rows, ["MxKxN", "bf16 GEMMs", "fp8 GEMMs", "nn bf16", "te fp8", "te jit",
+                       "te unfused", "torchao", "ceiling", "te/nn", "te/ao"]))
 
 
 if __name__ == "__main__":

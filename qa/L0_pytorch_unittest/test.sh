@@ -8,23 +8,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 source "$ROOT/qa/make_venv.sh" test || exit 1
 
 cd "$ROOT" || exit 1
-TESTS=(
-    tests/pytorch/test_recipe.py
-    tests/pytorch/test_quantize.py
-    tests/pytorch/test_fp8_autocast.py
-    tests/pytorch/test_linear.py
-    tests/pytorch/test_fp8_activation_recompute.py
-    tests/pytorch/test_checkpoint_robustness.py
-    tests/pytorch/test_checkpoint_replay.py
-    tests/pytorch/test_modules.py
-    tests/pytorch/test_transformer_layer.py
-    tests/pytorch/test_triton_kernels.py
-    tests/pytorch/test_train_gpt.py
-    tests/pytorch/distributed/test_amax_reduction.py
-    tests/pytorch/distributed/test_tensor_parallel.py
-    tests/pytorch/distributed/test_tensor_parallel_modules.py
-    tests/pytorch/distributed/test_distributed_checkpoint.py
-)
+# shellcheck source=../pytorch_test_files.sh
+source "$ROOT/qa/pytorch_test_files.sh"
 
 FAILED=()
 echo "=== ruff check"

@@ -49,7 +49,7 @@ def _sample(shape, dtype, special: bool):
 
 @pytest.fixture(autouse=True)
 def fused_casts_allowed(monkeypatch):
-    """The fused casts are opt-in (NOTE [Fused casts]); these tests exercise them."""
+    """These tests exercise the fused kernels whatever NVTE_FUSED_FP8_CASTS says."""
     monkeypatch.setattr(quantize, "_fused_enabled", True)
 
 
@@ -105,32 +105,68 @@ def test_amax_slot_keeps_larger_prior_and_scale_inv_is_fresh():
     assert q.scale_inv.item() == 0.5
 
 
+def _histories(length, widths):
+    """Amax histories over many binades, with the cases the update must keep right."""
+    out = []
+    for n in widths:
+        h = torch.rand(length, n, device="cuda") * torch.exp2(
+            torch.randint(-20, 20, (length, n), device="cuda").float())
+        h[:, 0] = 0                                  # amax 0: keep the old scale
+        if n > 1:
+            h[0, 1] = float("nan")                   # NaN / inf amax: keep the old scale
+        if n > 2:
+            h[length // 2, 2] = float("inf")
+        if n > 3:
+            h[:, 3] = 1e-44                          # tiny amax: scale clamped to the float32 max
+        out.append(h)
+    return out
+
+
 @cuda_triton
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-@pytest.mark.parametrize("length, n", [(1, 2), (16, 3), (1024, 40), (100, 70)])
+@pytest.mark.parametrize("length, widths", [(1, [2]), (16, [2, 1, 4]), (1024, [2, 2, 4, 40]),
+                                            (100, [70]), (65, [17, 3])],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("margin, max_value", [(0, 448.0), (2, 57344.0)])
-def test_delayed_scaling_update_bitwise(algo, length, n, margin, max_value, monkeypatch):
-    monkeypatch.setattr(quantize, "_fused_update", True)
+def test_delayed_scaling_update_in_place_bitwise(algo, length, widths, margin, max_value,
+                                                 monkeypatch):
+    """One launch updates several states in place, bit for bit as the formulas."""
     from transformer_engine.pytorch import triton_kernels
     calls = []
-    real = triton_kernels.delayed_update
-    monkeypatch.setattr(triton_kernels, "delayed_update",
+    real = triton_kernels.delayed_update_
+    monkeypatch.setattr(triton_kernels, "delayed_update_",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
-    h = torch.rand(length, n, device="cuda") * torch.exp2(
-        torch.randint(-20, 20, (length, n), device="cuda").float())
-    h[:, 0] = 0                                  # amax 0: keep the old scale
-    h[0, 1] = float("nan")                       # NaN / inf amax: keep the old scale
-    h[length // 2, 2] = float("inf")
-    if n > 3:
-        h[:, 3] = 1e-44                          # tiny amax: scale clamped to the float32 max
-    s = torch.rand(n, device="cuda") + 0.5
-    fused = quantize.delayed_scaling_update(h, s, max_value, margin, algo)
+    hists = _histories(length, widths)
+    scales = [torch.rand(n, device="cuda") + 0.5 for n in widths]
+    scale_invs = [torch.full((n,), -3.0, device="cuda") for n in widths]
+    expect = [quantize.delayed_scaling_update(h, s, max_value, margin, algo)
+              for h, s in zip(hists, scales)]
+    ids = [id(t) for t in hists + scales + scale_invs]
+    for _ in range(2):       # the second call reuses the cached table
+        quantize.delayed_scaling_update_(hists, scales, scale_invs, max_value, margin, algo)
+        for (e_scale, e_inv, e_hist), s, si, h in zip(expect, scales, scale_invs, hists):
+            assert torch.equal(s, e_scale) and torch.equal(si, e_inv)
+            assert torch.equal(h.nan_to_num(-7.0), e_hist.nan_to_num(-7.0))
+            assert s.isfinite().all()
+        expect = [quantize.delayed_scaling_update(e_hist, e_scale, max_value, margin, algo)
+                  for e_scale, _, e_hist in expect]
+    assert len(calls) == 2
+    assert ids == [id(t) for t in hists + scales + scale_invs]      # in place
+
+
+@cuda_triton
+def test_delayed_scaling_update_in_place_reference_path_matches():
+    """The torch path of `delayed_scaling_update_` (CPU, or fused kernels off) gives
+    the same state as the kernel."""
+    hists = _histories(32, [2, 4, 1])
+    scales = [torch.rand(h.shape[1], device="cuda") + 0.5 for h in hists]
+    invs = [torch.empty_like(s) for s in scales]
+    ref = [[t.clone() for t in ts] for ts in (hists, scales, invs)]
+    quantize.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max")
     with quantize.use_fused_kernels(False):
-        ref = quantize.delayed_scaling_update(h, s, max_value, margin, algo)
-    assert len(calls) == 1
-    for a, b in zip(fused, ref):
+        quantize.delayed_scaling_update_(*ref, 448.0, 0, "max")
+    for a, b in zip(hists + scales + invs, ref[0] + ref[1] + ref[2]):
         assert torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
-    assert fused[0].isfinite().all()
 
 
 @cuda_triton
@@ -140,9 +176,9 @@ def test_nan_propagates_like_reference(hp):
     x[7, 9] = float("nan")
     scale = torch.ones(1, device="cuda")
     slot_f, slot_r = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
-    q_f, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_slot=slot_f)
+    q_f, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_history=slot_f)
     with quantize.use_fused_kernels(False):
-        q_r, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_slot=slot_r)
+        q_r, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_history=slot_r)
     assert slot_f.isnan().all() and slot_r.isnan().all()
     assert torch.equal(q_f.data.float().isnan(), q_r.data.float().isnan())
     assert quantize.amax(x).isnan()
@@ -173,20 +209,24 @@ def test_cast_to_fp8_non_contiguous_and_3d():
 
 
 def _train(fused: bool, recipe, bias: bool, steps: int = 3):
+    """Two te.Linear in sequence (so each update covers two states), three steps."""
     torch.manual_seed(7)
-    layer = te.Linear(64, 96, bias=bias, params_dtype=torch.bfloat16, device="cuda")
+    layers = [te.Linear(64, 96, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
+              te.Linear(96, 48, bias=bias, params_dtype=torch.bfloat16, device="cuda")]
     outs = []
     with quantize.use_fused_kernels(fused):
         for _ in range(steps):
             x = torch.randn(80, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             with te.autocast(recipe=recipe):
-                y = layer(x)
+                y = layers[1](layers[0](x))
             y.float().pow(2).sum().backward()
-            outs += [y.detach(), x.grad, layer.weight.grad.clone()]
-            if bias:
-                outs.append(layer.bias.grad.clone())
-            layer.zero_grad()
-    return outs, fp8_state_snapshot([layer])
+            outs += [y.detach(), x.grad]
+            for layer in layers:
+                outs.append(layer.weight.grad.clone())
+                if bias:
+                    outs.append(layer.bias.grad.clone())
+                layer.zero_grad()
+    return outs, fp8_state_snapshot(layers)
 
 
 @cuda_triton
@@ -195,15 +235,15 @@ def _train(fused: bool, recipe, bias: bool, steps: int = 3):
                                     Float8CurrentScaling()], ids=["delayed-hybrid",
                                                                   "delayed-e4m3", "current"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opt-in"])
-def test_linear_training_fused_equals_reference(recipe, bias, opt_in, monkeypatch):
-    monkeypatch.setattr(quantize, "_fused_transpose", opt_in)
-    monkeypatch.setattr(quantize, "_fused_update", opt_in)
+@pytest.mark.parametrize("fusions", ["all", "cast-only"])
+def test_linear_training_fused_equals_reference(recipe, bias, fusions, monkeypatch):
+    monkeypatch.setattr(quantize, "_fused_transpose", fusions == "all")
+    monkeypatch.setattr(quantize, "_fused_update", fusions == "all")
     calls = _spy(monkeypatch)
     fused, fused_state = _train(True, recipe, bias)
-    assert len(calls) == 9   # x, W, dy in each of three steps
+    assert len(calls) == 18   # x, W, dy of two layers in each of three steps
     ref, ref_state = _train(False, recipe, bias)
-    assert len(calls) == 9
+    assert len(calls) == 18
     assert_tensors_equal(fused, ref, "outputs and gradients")
     assert_states_equal(fused_state, ref_state, "fp8 state")
 

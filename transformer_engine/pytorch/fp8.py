@@ -121,30 +121,32 @@ def _update_scaling_states(metas: List[dict], recipe: DelayedScaling, group,
     states = [m[key] for m in metas if m.get(key) is not None]
     if not states:
         return
-    sizes = [s.scale.numel() for s in states]
-    history = torch.cat([s.amax_history for s in states], dim=1)
     if recipe.reduce_amax and _group_size(group) > 1:
-        live = history[0].contiguous()
+        # one MAX all-reduce of every live row, copied back before the update
+        lives = [s.amax_history[0] for s in states]
+        live = torch.cat(lives)
         torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX, group=group)
-        history[0].copy_(live)
-    scale = torch.cat([s.scale for s in states])
+        torch._foreach_copy_(lives, list(live.split([t.numel() for t in lives])))
     spec = recipe.fp8_format.value
     max_value = spec.max_fwd if forward else spec.max_bwd
-    if recipe.scaling_factor_compute_algo is not None:
-        amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
-        new_scale = recipe.scaling_factor_compute_algo(
-            amax_value, scale, torch.full_like(scale, max_value), recipe).to(torch.float32)
-        new_history = quantize.roll_amax_history(history)
-        new_scale_inv = torch.reciprocal(new_scale)
-    else:   # one launch on CUDA (NOTE [Fused casts] in quantize.py)
-        new_scale, new_scale_inv, new_history = quantize.delayed_scaling_update(
-            history, scale, max_value, recipe.margin, recipe.amax_compute_algo)
-    dst, src = [], []
-    for s, sc, si, h in zip(states, new_scale.split(sizes), new_scale_inv.split(sizes),
-                            new_history.split(sizes, dim=1)):
-        dst += [s.scale, s.scale_inv, s.amax_history]
-        src += [sc, si, h]
-    torch._foreach_copy_(dst, src)
+    if recipe.scaling_factor_compute_algo is None:
+        # one launch on CUDA (NOTE [Fused casts] in quantize.py)
+        quantize.delayed_scaling_update_([s.amax_history for s in states],
+                                         [s.scale for s in states],
+                                         [s.scale_inv for s in states],
+                                         max_value, recipe.margin, recipe.amax_compute_algo)
+        return
+    sizes = [s.scale.numel() for s in states]
+    history = torch.cat([s.amax_history for s in states], dim=1)
+    scale = torch.cat([s.scale for s in states])
+    amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
+    new_scale = recipe.scaling_factor_compute_algo(
+        amax_value, scale, torch.full_like(scale, max_value), recipe).to(torch.float32)
+    torch._foreach_copy_(
+        [t for s in states for t in (s.scale, s.scale_inv, s.amax_history)],
+        [t for sc, h in zip(new_scale.split(sizes),
+                            quantize.roll_amax_history(history).split(sizes, dim=1))
+         for t in (sc, torch.reciprocal(sc), h)])
 
 
 def get_default_fp8_recipe() -> Recipe:

@@ -5,21 +5,18 @@ Nothing here reads or writes FP8 global state; `fp8.py` decides *which* scale to
 use and *where* an amax is recorded, the module files decide *what* is cast.
 
 NOTE [Fused casts]
-    With ``NVTE_FUSED_FP8_CASTS=1`` (or inside `use_fused_kernels(True)`), on CUDA
-    when Triton imports, `amax`, `cast_to_fp8` and `cast_transpose_to_fp8` run the
-    one-pass kernels of `triton_kernels.py` (amax recorded into the history slot, FP8
-    data and ``scale_inv`` written, in one read of the tensor); otherwise they run the
-    torch reference ops below. Both are meant to compute the same bits
-    (tests/pytorch/test_triton_kernels.py checks it on a GPU). The fused casts are
-    opt-in for now: on an H200 they matched the reference bit for bit for float32
-    inputs, but their bf16/fp16 cases have not run there yet. The CPU path never
-    imports Triton.
-    Two more fusions are opt-in: ``NVTE_FUSED_FP8_TRANSPOSE=1`` makes the cast kernel
-    write the transposed FP8 copy in the same pass (else torch transposes the FP8
-    data), ``NVTE_FUSED_FP8_UPDATE=1`` runs `delayed_scaling_update` in one launch.
-    A first version of the in-kernel transpose wrote wrong rows on an H200 (dims
-    divisible by 16); its replacement and the update kernel have bitwise tests that
-    have not yet run on a GPU. Make them the default once they pass there.
+    On CUDA, when Triton imports, `amax`, `cast_to_fp8`, `cast_transpose_to_fp8` and
+    `delayed_scaling_update_` run the kernels of `triton_kernels.py`: one pass over a
+    tensor folds its amax into the amax-history slot, casts it with the delayed scale,
+    writes ``scale_inv`` and, for the backward GEMMs, the transposed FP8 copy too; one
+    launch updates the delayed-scaling state of all modules of an update. Otherwise
+    (CPU, no Triton, or switched off) the torch reference ops below run. Both compute
+    the same bits; tests/pytorch/test_triton_kernels.py checks it on a GPU, and
+    `use_fused_kernels(False)` selects the reference inside a block.
+    Switches, read at import: ``NVTE_FUSED_FP8_CASTS=0`` turns all fused kernels off;
+    ``NVTE_FUSED_FP8_TRANSPOSE=0`` makes torch transpose the FP8 data instead of the
+    cast kernel; ``NVTE_FUSED_FP8_UPDATE=0`` runs the update as torch ops on
+    concatenated buffers. The CPU path never imports Triton.
 
 NOTE [GEMM vocabulary]
     For a linear layer ``y = x W^T`` (x: [M, K], W: [N, K], y: [M, N]):
@@ -34,14 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
     "current_scale", "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
-    "roll_amax_history", "delayed_scaling_update", "use_fused_kernels", "fused_kernels_enabled",
+    "roll_amax_history", "delayed_scaling_update", "delayed_scaling_update_",
+    "use_fused_kernels", "fused_kernels_enabled",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -50,12 +48,9 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ---- dispatch to the fused kernels (NOTE [Fused casts]) ---------------------------
-_fused_enabled: bool = os.environ.get("NVTE_FUSED_FP8_CASTS", "0") == "1"
-# Opt-in until tests/pytorch/test_triton_kernels.py has passed on a GPU with them
-# (NOTE [Fused casts]): the transposed copy written by the cast kernel itself, and the
-# one-launch delayed-scaling update.
-_fused_transpose: bool = os.environ.get("NVTE_FUSED_FP8_TRANSPOSE", "0") == "1"
-_fused_update: bool = os.environ.get("NVTE_FUSED_FP8_UPDATE", "0") == "1"
+_fused_enabled: bool = os.environ.get("NVTE_FUSED_FP8_CASTS", "1") == "1"
+_fused_transpose: bool = os.environ.get("NVTE_FUSED_FP8_TRANSPOSE", "1") == "1"
+_fused_update: bool = os.environ.get("NVTE_FUSED_FP8_UPDATE", "1") == "1"
 _kernels_module = None      # triton_kernels once loaded; False when Triton is missing
 
 
@@ -186,12 +181,20 @@ def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         raise ValueError(f"{api}: amax_history must be a float32 [L, n] or [n] tensor on "
                          f"{x.device} with n > index={index}, got {amax_history.dtype} of shape "
                          f"{tuple(amax_history.shape)} on {amax_history.device}")
+    return _cast_transpose(x, scale, dtype, index, amax_history, data, transpose)
+
+
+def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, index: int,
+                    amax_history: Optional[torch.Tensor], data: bool, transpose: bool
+                    ) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
+    """`cast_transpose_to_fp8` without its argument checks, for the modules, which
+    build the arguments themselves (the host cost of a small step matters)."""
     kernels = _fused_kernels(x)
-    if (kernels is not None and scale.dtype == torch.float32 and scale.device == x.device
-            and scale.is_contiguous()
+    if (kernels is not None and scale.dtype == torch.float32 and scale.is_contiguous()
+            and scale.device == x.device
             and (amax_history is None or amax_history.is_contiguous())):
         in_kernel = transpose and _fused_transpose
-        q, q_t, scale_inv = kernels.cast_transpose(x.detach(), scale, dtype, index=index,
+        q, q_t, scale_inv = kernels.cast_transpose(x, scale, dtype, index=index,
                                                    amax_history=amax_history,
                                                    data=data or not in_kernel,
                                                    transpose=in_kernel)
@@ -252,12 +255,23 @@ def fp8_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
         raise TypeError(f"fp8_gemm: out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
     check_gemm_shape("fp8_gemm", ad.shape[0], ad.shape[1], bd.shape[0],
                      f"a {tuple(ad.shape)} @ b^T {tuple(bd.shape)}")
+    if not ad.is_contiguous():
+        a = Float8Data(ad.contiguous(), a.scale_inv)
+    if not bd.is_contiguous():
+        b = Float8Data(bd.contiguous(), b.scale_inv)
+    return _gemm(a, b, out_dtype, bias, use_fast_accum)
+
+
+def _gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
+          bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
+    """`fp8_gemm` without its checks, for operands the modules' own casts made
+    (contiguous, FP8, shapes checked by `check_gemm_shape` at the module's entry)."""
     # cuBLASLt takes a bias only for 16-bit outputs; a float32 output adds it after.
-    fused_bias = bias.to(out_dtype) if bias is not None and out_dtype != torch.float32 else None
-    out = torch._scaled_mm(
-        ad.contiguous(), bd.contiguous().t(),
-        scale_a=a.scale_inv, scale_b=b.scale_inv,
-        bias=fused_bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    fused_bias = None
+    if bias is not None and out_dtype != torch.float32:
+        fused_bias = bias if bias.dtype == out_dtype else bias.to(out_dtype)
+    out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
+                           bias=fused_bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if bias is not None and fused_bias is None:
         out += bias.to(out_dtype)
     return out
@@ -299,19 +313,41 @@ def roll_amax_history(history: torch.Tensor) -> torch.Tensor:
 
 def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, max_value: float,
                            margin: int, algo) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The delayed-scaling update of ``n`` tensors at once: ``(new_scale,
+    """The delayed-scaling update of ``n`` tensors at once, as new tensors: ``(new_scale,
     new_scale_inv, new_history)`` from ``history [L, n]`` and ``scale [n]`` (amax from
-    the history by ``algo``, scale from amax, ``1 / scale``, history rolled).
-
-    On CUDA with Triton and ``algo`` "max" or "most_recent" this is one launch
-    (NOTE [Fused casts]); otherwise the formulas above, with the same values.
-    """
-    kernels = _fused_kernels(history) if _fused_update else None
-    if (kernels is not None and algo in ("max", "most_recent") and history.dim() == 2
-            and history.dtype == torch.float32 and scale.dtype == torch.float32
-            and history.is_contiguous() and scale.is_contiguous()
-            and scale.shape == history.shape[1:]):
-        return kernels.delayed_update(history, scale, max_value, margin, algo)
+    the history by ``algo``, scale from amax, ``1 / scale``, history rolled). These are
+    the reference formulas; `delayed_scaling_update_` applies them in place."""
     amax_value = amax_from_history(history, algo)
     new_scale = scale_from_amax(amax_value, scale, max_value, margin)
     return new_scale, torch.reciprocal(new_scale), roll_amax_history(history)
+
+
+def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                            scale_invs: Sequence[torch.Tensor], max_value: float, margin: int,
+                            algo) -> None:
+    """Update many delayed-scaling states in place: for each ``i``, ``scales[i]``,
+    ``scale_invs[i]`` (``[n_i]``) and ``histories[i]`` (``[L, n_i]``, one ``L``) get
+    the values of `delayed_scaling_update`.
+
+    On CUDA with Triton and ``algo`` "max" or "most_recent" this is one launch for all
+    states (NOTE [Fused casts]); otherwise the formulas run once on the concatenated
+    states and the results are copied back.
+    """
+    first = histories[0]
+    kernels = _fused_kernels(first) if _fused_update else None
+    if (kernels is not None and algo in ("max", "most_recent")
+            and all(h.dtype == torch.float32 and h.dim() == 2 and h.is_contiguous()
+                    and h.shape[0] == first.shape[0] and h.device == first.device
+                    and s.dtype == torch.float32 and s.is_contiguous()
+                    and si.dtype == torch.float32 and si.is_contiguous()
+                    and s.shape == si.shape == h.shape[1:]
+                    for h, s, si in zip(histories, scales, scale_invs))):
+        kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo)
+        return
+    sizes = [s.numel() for s in scales]
+    new_scale, new_scale_inv, new_history = delayed_scaling_update(
+        torch.cat(list(histories), dim=1), torch.cat(list(scales)), max_value, margin, algo)
+    torch._foreach_copy_(
+        list(scales) + list(scale_invs) + list(histories),
+        list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes))
+        + list(new_history.split(sizes, dim=1)))

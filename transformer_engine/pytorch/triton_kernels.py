@@ -1,7 +1,7 @@
 """Triton kernels for FP8 on CUDA: the cast (one pass over a tensor that records its
 amax, casts it to FP8 with a given scale and writes the row-major and/or the
-transposed FP8 copy), the amax, and the delayed-scaling update of many tensors in
-one launch.
+transposed FP8 copy), the amax, and the in-place delayed-scaling update of many
+modules' states in one launch.
 
 Imported lazily by `quantize.py`, only for CUDA tensors and only when Triton
 imports; the CPU path never loads this file. The kernels compute exactly what the
@@ -16,11 +16,22 @@ torch reference path in `quantize.py` computes (bit for bit):
   NaN kept (the clamp propagates NaN like ``torch.clamp``).
 - ``scale_inv = 1 / scale`` with IEEE rounding (``div_rn``), written by one program
   into a fresh tensor, as ``torch.reciprocal`` does.
+
+NOTE [Launch overhead]
+    A small ``te.Linear`` step is bound by the host, not the GPU, so each launch here
+    goes through `_Launcher`: the first launch of a specialization goes through
+    Triton's JIT (which compiles and returns the compiled kernel), later ones call the
+    compiled kernel directly. The specialization key follows Triton's rule (an int
+    is specialized on being 1, on divisibility by 16 and on fitting int32; a tensor
+    on its dtype and on 16-byte alignment), so a cached kernel is only reused for
+    arguments the JIT would have sent to the same binary. ``NVTE_TRITON_DIRECT_LAUNCH=0``
+    sends every launch through the JIT.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import os
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,12 +44,15 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 
 AVAILABLE = triton is not None
 
-__all__ = ["AVAILABLE", "cast_transpose", "amax", "delayed_update"]
+__all__ = ["AVAILABLE", "cast_transpose", "amax", "delayed_update_"]
 
 # One tile per program. Picked by timing on an H200 (benchmarks/bench_linear.py --tune).
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
 _AMAX_BLOCK, _AMAX_WARPS = 4096, 8
-_UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 64, 32
+_UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 64, 16
+_INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+direct_launch: bool = os.environ.get("NVTE_TRITON_DIRECT_LAUNCH", "1") == "1"
 
 if AVAILABLE:
     _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -85,33 +99,46 @@ if AVAILABLE:
         return tl.where((a > b) | (a != a), a, b)
 
     @triton.jit
-    def _delayed_update_kernel(hist_ptr, scale_ptr, new_hist_ptr, new_scale_ptr,
-                               new_scale_inv_ptr, n, max_value, margin_factor, L: tl.constexpr,
+    def _delayed_update_kernel(table_ptr, max_value, margin_factor, L: tl.constexpr,
                                ALGO_MAX: tl.constexpr, BLOCK_L: tl.constexpr,
                                BLOCK_N: tl.constexpr, FP32_MAX: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Program (i, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of state i. Table row
+        # i: addresses of its history [L, n], scale [n], scale_inv [n] (contiguous
+        # float32), and n.
+        row = table_ptr + tl.program_id(0) * 4
+        hist_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        scale_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        scale_inv_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        n = tl.load(row + 3).to(tl.int32)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < n
-        amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for r0 in range(0, L, BLOCK_L):
+        live = tl.load(hist_ptr + cols, mask=cmask, other=0.0)      # row 0
+        amax = live
+        # Roll in place, rows ascending: new row r - 1 = old row r for r >= 1. Each
+        # block is loaded completely (barrier) before any of it is overwritten; the
+        # rows a block writes were read by this or the previous block.
+        for r0 in range(1, L, BLOCK_L):
             rows = r0 + tl.arange(0, BLOCK_L)
             m = (rows[:, None] < L) & cmask[None, :]
-            h = tl.load(hist_ptr + rows[:, None] * n + cols[None, :], mask=m, other=0.0)
+            offs = rows[:, None] * n + cols[None, :]
+            h = tl.load(hist_ptr + offs, mask=m, other=0.0)
             if ALGO_MAX:
                 amax = _max_nan(amax, tl.reduce(h, 0, _max_nan))
-            # roll by one row (old row r -> new row r - 1, row 0 -> row L - 1), then
-            # zero the new live row 0
-            dst = (rows + L - 1) % L
-            tl.store(new_hist_ptr + dst[:, None] * n + cols[None, :],
-                     tl.where(dst[:, None] == 0, 0.0, h), mask=m)
-        if not ALGO_MAX:
-            amax = tl.load(hist_ptr + cols, mask=cmask, other=0.0)
+            tl.debug_barrier()
+            tl.store(hist_ptr + offs - n, h, mask=m)
+        tl.debug_barrier()
+        # old row 0 goes to the end, then the new live row 0 is zeroed
+        if L > 1:
+            tl.store(hist_ptr + (L - 1) * n + cols, live, mask=cmask)
+            tl.debug_barrier()
+        tl.store(hist_ptr + cols, tl.zeros_like(live), mask=cmask)
         old = tl.load(scale_ptr + cols, mask=cmask, other=1.0)
         # as the torch formula computes it: reciprocal(amax) * max, then / 2**margin
         new = tl.div_rn(1.0, amax) * max_value * margin_factor
         ok = (amax > 0) & (amax <= FP32_MAX)       # positive and finite (NaN fails both)
         new = tl.minimum(tl.where(ok, new, old), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(new_scale_ptr + cols, new, mask=cmask)
-        tl.store(new_scale_inv_ptr + cols, tl.div_rn(1.0, new), mask=cmask)
+        tl.store(scale_ptr + cols, new, mask=cmask)
+        tl.store(scale_inv_ptr + cols, tl.div_rn(1.0, new), mask=cmask)
 
     @triton.jit
     def _amax_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
@@ -119,6 +146,48 @@ if AVAILABLE:
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         tl.atomic_max(out_ptr, tl.max(bits, axis=0))
+
+
+def _spec(arg):
+    """What Triton's JIT specializes a kernel argument on (NOTE [Launch overhead])."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX)
+    if isinstance(arg, float):
+        return float
+    return arg       # constexpr values (tl dtypes, numbers) are part of the key as they are
+
+
+class _Launcher:
+    """Launches one JIT kernel, reusing the compiled kernel of a specialization seen
+    before (NOTE [Launch overhead]). Arguments are passed positionally, constexprs
+    included, in the kernel's parameter order."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: Dict[tuple, object] = {}
+
+    def __call__(self, grid: Tuple[int, ...], num_warps: int, *args) -> None:
+        if not direct_launch:
+            self.kernel[grid](*args, num_warps=num_warps)
+            return
+        key = (num_warps,) + tuple(_spec(a) for a in args)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, num_warps=num_warps)
+            if compiled is not None and hasattr(compiled, "__getitem__"):
+                self.compiled[key] = compiled
+            return
+        compiled[grid](*args)
+
+
+if AVAILABLE:
+    _launch_cast = _Launcher(_cast_transpose_kernel)
+    _launch_update = _Launcher(_delayed_update_kernel)
+    _launch_amax = _Launcher(_amax_kernel)
 
 
 def _set_tiles(tile_m: int, tile_n: int, warps: int) -> Tuple[int, int, int]:
@@ -143,39 +212,46 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     q = torch.empty((m, n), dtype=dtype, device=x.device) if data else None
     q_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(n, _TILE_N))
-    _cast_transpose_kernel[grid](
-        x, scale, q if data else scale_inv, q_t if transpose else scale_inv,
-        amax_history if amax_history is not None else scale_inv, scale_inv, index,
-        m, n, x.stride(0), x.stride(1),
-        FP8_MAX=torch.finfo(dtype).max, OUT_DTYPE=_TL_FP8[dtype],
-        WRITE_Q=data, WRITE_QT=transpose, WRITE_AMAX=amax_history is not None,
-        BLOCK_M=_TILE_M, BLOCK_N=_TILE_N, num_warps=_WARPS)
+    _launch_cast((triton.cdiv(m, _TILE_M), triton.cdiv(n, _TILE_N)), _WARPS,
+                 x, scale, q if data else scale_inv, q_t if transpose else scale_inv,
+                 amax_history if amax_history is not None else scale_inv, scale_inv, index,
+                 m, n, x.stride(0), x.stride(1),
+                 torch.finfo(dtype).max, _TL_FP8[dtype], data, transpose,
+                 amax_history is not None, _TILE_M, _TILE_N)
     return q, q_t, scale_inv
 
 
-def delayed_update(history: torch.Tensor, scale: torch.Tensor, max_value: float, margin: int,
-                   algo: str):
-    """One launch of the delayed-scaling update of ``n`` tensors: from ``history
-    [L, n]`` and ``scale [n]`` (contiguous float32 CUDA tensors) return ``(new_scale,
-    new_scale_inv, new_history)``, the values of `quantize.amax_from_history`,
-    `scale_from_amax`, ``reciprocal`` and `roll_amax_history`."""
-    length, n = history.shape
-    new_history = torch.empty_like(history)
-    new_scale = torch.empty_like(scale)
-    new_scale_inv = torch.empty_like(scale)
-    _delayed_update_kernel[(triton.cdiv(n, _UPDATE_BLOCK_N),)](
-        history, scale, new_history, new_scale, new_scale_inv, n,
-        float(max_value), 2.0 ** -margin, L=length, ALGO_MAX=algo == "max",
-        BLOCK_L=_UPDATE_BLOCK_L, BLOCK_N=_UPDATE_BLOCK_N, FP32_MAX=torch.finfo(torch.float32).max,
-        num_warps=4)
-    return new_scale, new_scale_inv, new_history
+# Device tables of state addresses, keyed by those addresses (the table is a function
+# of its key, so a hit is right even if the memory now belongs to other tensors).
+_UPDATE_TABLES: Dict[tuple, torch.Tensor] = {}
+_UPDATE_TABLES_MAX = 256
+
+
+def delayed_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                    scale_invs: Sequence[torch.Tensor], max_value: float, margin: int,
+                    algo: str) -> None:
+    """One launch of the delayed-scaling update of many states, in place: for each
+    ``i``, from ``histories[i] [L, n_i]`` and ``scales[i] [n_i]`` (contiguous float32
+    CUDA tensors, one ``L``) write the new scale, ``1 / scale`` and the rolled history,
+    the values of `quantize.delayed_scaling_update`."""
+    length = histories[0].shape[0]
+    key = tuple((h.data_ptr(), s.data_ptr(), si.data_ptr(), s.numel())
+                for h, s, si in zip(histories, scales, scale_invs))
+    table = _UPDATE_TABLES.get(key)
+    if table is None:
+        if len(_UPDATE_TABLES) >= _UPDATE_TABLES_MAX:
+            _UPDATE_TABLES.clear()
+        table = torch.tensor(key, dtype=torch.int64, device=histories[0].device)
+        _UPDATE_TABLES[key] = table
+    widest = max(k[3] for k in key)
+    _launch_update((len(key), triton.cdiv(widest, _UPDATE_BLOCK_N)), 4,
+                   table, float(max_value), 2.0 ** -margin, length, algo == "max",
+                   _UPDATE_BLOCK_L, _UPDATE_BLOCK_N, torch.finfo(torch.float32).max)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` of a contiguous, non-empty CUDA tensor as a float32 scalar tensor."""
     out = torch.zeros((), dtype=torch.int32, device=x.device)
     numel = x.numel()
-    _amax_kernel[(triton.cdiv(numel, _AMAX_BLOCK),)](x, out, numel, BLOCK=_AMAX_BLOCK,
-                                                      num_warps=_AMAX_WARPS)
+    _launch_amax((triton.cdiv(numel, _AMAX_BLOCK),), _AMAX_WARPS, x, out, numel, _AMAX_BLOCK)
     return out.view(torch.float32)

@@ -14,7 +14,8 @@ from ...common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recip
 from .. import distributed
 from ..fp8 import FP8GlobalStateManager, ScalingState
 
-__all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype"]
+__all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
+           "no_autocast"]
 
 
 def default_device(device) -> torch.device:
@@ -29,6 +30,14 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+def no_autocast(device_type: str):
+    """A context with ``torch.autocast`` off for ``device_type`` (a no-op context when
+    it is off already: entering ``torch.autocast`` costs host time on every GEMM)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -101,8 +110,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
         if calibrating and not recipe.delayed():
             recipe, calibrating = None, False
-        self.fp8, self.fp8_calibration = fp8, calibrating
-        if recipe is not None:
+        if self.fp8 is not fp8 or self.fp8_calibration is not calibrating:
+            self.fp8, self.fp8_calibration = fp8, calibrating     # nn.Module.__setattr__ is slow
+        if recipe is not None and self.fp8_meta["recipe"] is not recipe:
             self._adopt_recipe(recipe)
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False)
         swapped = False

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from .. import quantize
 from ..fp8 import FP8GlobalStateManager
 from ..tensor_parallel import TensorParallelConfig
-from .base import ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device
+from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
+                   no_autocast)
 
 __all__ = ["Linear", "fp8_linear", "check_params_dtype", "init_weight_"]
 
@@ -42,11 +43,10 @@ def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dt
     amax. Returns ``(x_fp8, x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`:
     one pass over ``x`` on CUDA)."""
     if plan.delayed:
-        return quantize.cast_transpose_to_fp8(
-            x, state.scale, dtype, index=index, amax_history=state.amax_history if record else None,
-            data=data, transpose=transpose)
+        return quantize._cast_transpose(x, state.scale, dtype, index,
+                                        state.amax_history if record else None, data, transpose)
     scale = quantize.current_scale(quantize.amax(x), dtype)
-    return quantize.cast_transpose_to_fp8(x, scale, dtype, data=data, transpose=transpose)
+    return quantize._cast_transpose(x, scale, dtype, 0, None, data, transpose)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -65,12 +65,12 @@ class _FP8LinearFunction(torch.autograd.Function):
         state = fp8_meta["scaling_fwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with torch.autocast(x.device.type, enabled=False):
+        with no_autocast(x.device.type):
             x_fp8, x_t = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
                                transpose=need_wgrad)
             w_fp8, w_t = _cast(weight, plan, state, i + 1, fmt.dtype_fwd, plan.record_amax,
                                transpose=need_dgrad)
-            y = quantize.fp8_gemm(x_fp8, w_fp8, out_dtype, bias=bias, use_fast_accum=True)
+            y = quantize._gemm(x_fp8, w_fp8, out_dtype, bias=bias, use_fast_accum=True)
         ctx.save_for_backward(x_t.data if x_t is not None else None, x_fp8.scale_inv,
                               w_t.data if w_t is not None else None, w_fp8.scale_inv)
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
@@ -86,7 +86,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         state = ctx.fp8_meta["scaling_bwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.BWD_TENSORS_PER_GEMM * ctx.gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with torch.autocast(dy.device.type, enabled=False):
+        with no_autocast(dy.device.type):
             dy = dy.contiguous()
             # The amax of dy is recorded even when only dbias is needed.
             dy_fp8, dy_t = _cast(dy, plan, state, i, fmt.dtype_bwd, record=True,
@@ -94,10 +94,10 @@ class _FP8LinearFunction(torch.autograd.Function):
             dgrad = wgrad = dbias = None
             if need_dgrad:
                 w_t = quantize.Float8Data(w_t_data, w_scale_inv)
-                dgrad = quantize.fp8_gemm(dy_fp8, w_t, ctx.x_dtype)
+                dgrad = quantize._gemm(dy_fp8, w_t, ctx.x_dtype)
             if need_wgrad:
                 x_t = quantize.Float8Data(x_t_data, x_scale_inv)
-                wgrad = quantize.fp8_gemm(dy_t, x_t, ctx.w_dtype)
+                wgrad = quantize._gemm(dy_t, x_t, ctx.w_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 # float32 accumulation without a float32 copy of dy
                 dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -127,11 +127,12 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if out_dtype not in _ACT_DTYPES:
         raise TypeError(f"{api}: FP8 GEMMs produce float32, bfloat16 or float16; got an input "
                         f"of dtype {x.dtype} (use one of {_ACT_DTYPES} or torch.autocast)")
-    x2d = x.reshape(-1, in_features)
-    quantize.check_gemm_shape(api, x2d.shape[0], in_features, out_features,
-                              f"input of shape {tuple(x.shape)}")
+    x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
+    if x2d.shape[0] % 16 or in_features % 16 or out_features % 16:
+        quantize.check_gemm_shape(api, x2d.shape[0], in_features, out_features,
+                                  f"input of shape {tuple(x.shape)}")
     y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype)
-    return y.view(*x.shape[:-1], out_features)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
 class Linear(TransformerEngineBaseModule):
