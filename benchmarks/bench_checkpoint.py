@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -112,6 +113,17 @@ def measure(steps: dict, warmup: int, iters: int) -> dict:
     torch.cuda.synchronize()
     times = {name: [] for name in steps}
     peaks = {name: 0 for name in steps}
+    gc.collect()
+    gc.disable()      # a collection inside one timed step would show as noise
+    try:
+        _rounds(steps, iters, times, peaks)
+    finally:
+        gc.enable()
+    return {name: {"ms": statistics.median(t), "peak_bytes": peaks[name], "times_ms": t}
+            for name, t in times.items()}
+
+
+def _rounds(steps: dict, iters: int, times: dict, peaks: dict) -> None:
     for _ in range(iters):
         for name, step in steps.items():
             before = torch.cuda.memory_allocated()
@@ -124,8 +136,6 @@ def measure(steps: dict, warmup: int, iters: int) -> dict:
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
             peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - before)
-    return {name: {"ms": statistics.median(t), "peak_bytes": peaks[name], "times_ms": t}
-            for name, t in times.items()}
 
 
 def main(argv=None):
@@ -136,7 +146,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -9,6 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PYTHON:-python3}"
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1     # the image's pytest plugins are not ours
 # shellcheck source=../pytorch_test_files.sh
 source "$ROOT/qa/pytorch_test_files.sh"
 

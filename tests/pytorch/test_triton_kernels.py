@@ -208,6 +208,39 @@ def test_cast_to_fp8_non_contiguous_and_3d():
         assert f.data.shape == t.shape and torch.equal(_bits(f.data), _bits(r.data))
 
 
+@cuda_triton
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-launch", "jit-launch"])
+def test_cached_launches_keep_specializations_apart(direct, monkeypatch):
+    """Launches whose arguments differ only in what Triton specializes on (16-byte
+    alignment, divisibility by 16, ints equal to 1) each match the reference, in an
+    order where a too-coarse launch cache would reuse the wrong binary."""
+    from transformer_engine.pytorch import triton_kernels
+    monkeypatch.setattr(triton_kernels, "direct_launch", direct)
+    base = torch.randn(64 * 64 + 8, device="cuda", dtype=torch.bfloat16)
+    cases = [base[:64 * 64].view(64, 64),            # aligned, all dims divisible by 16
+             base[1:1 + 64 * 64].view(64, 64),       # same shape, pointer off by 2 bytes
+             base[:64 * 64].view(64, 64),            # back to the first binary
+             base[:63 * 64].view(63, 64),            # M not divisible by 16
+             base[:64 * 63].view(64, 63),            # N (and the row stride) not
+             base[:64].view(1, 64),                  # M == 1
+             base[:64 * 64].view(64, 64)[:, :48]]    # a row stride unlike N
+    scale = torch.tensor([0.5, 7.0], device="cuda")
+    for round_ in range(2):                          # the second round hits the cache
+        for i, x in enumerate(cases):
+            hist_f, hist_r = torch.zeros(2, 2, device="cuda"), torch.zeros(2, 2, device="cuda")
+            q_f, qt_f = quantize.cast_transpose_to_fp8(x, scale, E4M3, index=1,
+                                                       amax_history=hist_f, transpose=True)
+            with quantize.use_fused_kernels(False):
+                q_r, qt_r = quantize.cast_transpose_to_fp8(x, scale, E4M3, index=1,
+                                                           amax_history=hist_r, transpose=True)
+            what = f"round {round_}, case {i}"
+            assert torch.equal(_bits(q_f.data), _bits(q_r.data)), what
+            assert torch.equal(_bits(qt_f.data), _bits(qt_r.data)), what
+            assert torch.equal(hist_f, hist_r) and hist_f[0, 1] > 0, what
+    if direct:
+        assert len(triton_kernels._launch_cast.compiled) >= 6
+
+
 def _train(fused: bool, recipe, bias: bool, steps: int = 3):
     """Two te.Linear in sequence (so each update covers two states), three steps."""
     torch.manual_seed(7)
@@ -235,10 +268,12 @@ def _train(fused: bool, recipe, bias: bool, steps: int = 3):
                                     Float8CurrentScaling()], ids=["delayed-hybrid",
                                                                   "delayed-e4m3", "current"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("fusions", ["all", "cast-only"])
+@pytest.mark.parametrize("fusions", ["all", "all-jit-launch", "cast-only"])
 def test_linear_training_fused_equals_reference(recipe, bias, fusions, monkeypatch):
-    monkeypatch.setattr(quantize, "_fused_transpose", fusions == "all")
-    monkeypatch.setattr(quantize, "_fused_update", fusions == "all")
+    from transformer_engine.pytorch import triton_kernels
+    monkeypatch.setattr(quantize, "_fused_transpose", fusions != "cast-only")
+    monkeypatch.setattr(quantize, "_fused_update", fusions != "cast-only")
+    monkeypatch.setattr(triton_kernels, "direct_launch", fusions != "all-jit-launch")
     calls = _spy(monkeypatch)
     fused, fused_state = _train(True, recipe, bias)
     assert len(calls) == 18   # x, W, dy of two layers in each of three steps

@@ -333,16 +333,9 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
     states (NOTE [Fused casts]); otherwise the formulas run once on the concatenated
     states and the results are copied back.
     """
-    first = histories[0]
-    kernels = _fused_kernels(first) if _fused_update else None
+    kernels = _fused_kernels(histories[0]) if _fused_update else None
     if (kernels is not None and algo in ("max", "most_recent")
-            and all(h.dtype == torch.float32 and h.dim() == 2 and h.is_contiguous()
-                    and h.shape[0] == first.shape[0] and h.device == first.device
-                    and s.dtype == torch.float32 and s.is_contiguous()
-                    and si.dtype == torch.float32 and si.is_contiguous()
-                    and s.shape == si.shape == h.shape[1:]
-                    for h, s, si in zip(histories, scales, scale_invs))):
-        kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo)
+            and kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo)):
         return
     sizes = [s.numel() for s in scales]
     new_scale, new_scale_inv, new_history = delayed_scaling_update(

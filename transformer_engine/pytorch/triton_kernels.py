@@ -41,6 +41,10 @@ try:
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton: every launch through the JIT
+    _knobs = None
 
 AVAILABLE = triton is not None
 
@@ -49,8 +53,10 @@ __all__ = ["AVAILABLE", "cast_transpose", "amax", "delayed_update_"]
 # One tile per program. Picked by timing on an H200 (benchmarks/bench_linear.py --tune).
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
 _AMAX_BLOCK, _AMAX_WARPS = 4096, 8
-_UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 64, 16
+_UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 256, 16
 _INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
+_F32 = torch.float32
+_FP32_MAX = torch.finfo(torch.float32).max
 
 direct_launch: bool = os.environ.get("NVTE_TRITON_DIRECT_LAUNCH", "1") == "1"
 
@@ -148,40 +154,57 @@ if AVAILABLE:
         tl.atomic_max(out_ptr, tl.max(bits, axis=0))
 
 
-def _spec(arg):
-    """What Triton's JIT specializes a kernel argument on (NOTE [Launch overhead])."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        return (arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX)
-    if isinstance(arg, float):
-        return float
-    return arg       # constexpr values (tl dtypes, numbers) are part of the key as they are
+def _int_spec(v: int) -> int:
+    """What Triton's JIT specializes an int argument on: 1, divisible by 16, or
+    neither; and whether it fits int32 (NOTE [Launch overhead])."""
+    spec = 1 if v == 1 else (16 if v % 16 == 0 else 0)
+    return spec if _INT32_MIN <= v <= _INT32_MAX else spec + 64
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether Triton's JIT would specialize this pointer argument as 16-byte aligned."""
+    return t.data_ptr() % 16 == 0
+
+
+def _hooks_registered() -> bool:
+    """Whether a Triton launch hook (a profiler's) is registered; then every launch
+    goes through Triton's own path, which calls it."""
+    if _knobs is None:
+        return True
+    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 class _Launcher:
-    """Launches one JIT kernel, reusing the compiled kernel of a specialization seen
-    before (NOTE [Launch overhead]). Arguments are passed positionally, constexprs
-    included, in the kernel's parameter order."""
+    """Launches one JIT kernel (NOTE [Launch overhead]). The caller passes ``key``:
+    everything the JIT specializes the kernel on (dtypes, constexpr values, int and
+    alignment specializations of the runtime arguments) that its arguments can vary
+    in. The first launch of a key goes through the JIT; later ones call the compiled
+    kernel's launcher directly. Arguments are positional, constexprs included, in the
+    kernel's parameter order."""
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.compiled: Dict[tuple, object] = {}
+        self.compiled: Dict[tuple, tuple] = {}
 
-    def __call__(self, grid: Tuple[int, ...], num_warps: int, *args) -> None:
+    def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:
         if not direct_launch:
             self.kernel[grid](*args, num_warps=num_warps)
             return
-        key = (num_warps,) + tuple(_spec(a) for a in args)
-        compiled = self.compiled.get(key)
-        if compiled is None:
+        device = torch.cuda.current_device()      # Triton launches on the current device
+        entry = self.compiled.get((device, key))
+        if entry is None or _hooks_registered():
             compiled = self.kernel[grid](*args, num_warps=num_warps)
-            if compiled is not None and hasattr(compiled, "__getitem__"):
-                self.compiled[key] = compiled
+            if (entry is None and compiled is not None
+                    and getattr(compiled, "function", None) is not None):
+                self.compiled[(device, key)] = (compiled.run, compiled.function,
+                                                compiled.packed_metadata)
             return
-        compiled[grid](*args)
+        run, function, metadata = entry
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
 
 
 if AVAILABLE:
@@ -212,12 +235,16 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     q = torch.empty((m, n), dtype=dtype, device=x.device) if data else None
     q_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-    _launch_cast((triton.cdiv(m, _TILE_M), triton.cdiv(n, _TILE_N)), _WARPS,
+    has_amax = amax_history is not None
+    sxm, sxn = x.stride()
+    key = (x.dtype, dtype, data, transpose, has_amax, _aligned(x), _aligned(scale),
+           has_amax and _aligned(amax_history), _int_spec(index), _int_spec(m), _int_spec(n),
+           _int_spec(sxm), _int_spec(sxn), _TILE_M, _TILE_N, _WARPS)
+    _launch_cast((-(-m // _TILE_M), -(-n // _TILE_N), 1), _WARPS, key,
                  x, scale, q if data else scale_inv, q_t if transpose else scale_inv,
-                 amax_history if amax_history is not None else scale_inv, scale_inv, index,
-                 m, n, x.stride(0), x.stride(1),
-                 torch.finfo(dtype).max, _TL_FP8[dtype], data, transpose,
-                 amax_history is not None, _TILE_M, _TILE_N)
+                 amax_history if has_amax else scale_inv, scale_inv, index, m, n, sxm, sxn,
+                 torch.finfo(dtype).max, _TL_FP8[dtype], data, transpose, has_amax,
+                 _TILE_M, _TILE_N)
     return q, q_t, scale_inv
 
 
@@ -229,29 +256,43 @@ _UPDATE_TABLES_MAX = 256
 
 def delayed_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                     scale_invs: Sequence[torch.Tensor], max_value: float, margin: int,
-                    algo: str) -> None:
+                    algo: str) -> bool:
     """One launch of the delayed-scaling update of many states, in place: for each
-    ``i``, from ``histories[i] [L, n_i]`` and ``scales[i] [n_i]`` (contiguous float32
-    CUDA tensors, one ``L``) write the new scale, ``1 / scale`` and the rolled history,
-    the values of `quantize.delayed_scaling_update`."""
-    length = histories[0].shape[0]
-    key = tuple((h.data_ptr(), s.data_ptr(), si.data_ptr(), s.numel())
-                for h, s, si in zip(histories, scales, scale_invs))
+    ``i``, from ``histories[i] [L, n_i]`` and ``scales[i] [n_i]`` write the new scale,
+    ``1 / scale`` and the rolled history, the values of
+    `quantize.delayed_scaling_update`. Returns False, having done nothing, unless every
+    tensor is a contiguous float32 tensor on the first history's CUDA device, the
+    histories share ``L`` and the shapes agree."""
+    first = histories[0]
+    length, device = first.shape[0], first.get_device()
+    key, widest = [], 0
+    for h, s, si in zip(histories, scales, scale_invs):
+        n = s.numel()
+        if not (h.dtype is _F32 and s.dtype is _F32 and si.dtype is _F32 and h.dim() == 2
+                and h.shape[0] == length and h.shape[1] == n == si.numel()
+                and h.is_contiguous() and s.is_contiguous() and si.is_contiguous()
+                and h.get_device() == device == s.get_device() == si.get_device()):
+            return False
+        key.append((h.data_ptr(), s.data_ptr(), si.data_ptr(), n))
+        widest = max(widest, n)
+    key = tuple(key)
     table = _UPDATE_TABLES.get(key)
     if table is None:
         if len(_UPDATE_TABLES) >= _UPDATE_TABLES_MAX:
             _UPDATE_TABLES.clear()
-        table = torch.tensor(key, dtype=torch.int64, device=histories[0].device)
+        table = torch.tensor(key, dtype=torch.int64, device=first.device)
         _UPDATE_TABLES[key] = table
-    widest = max(k[3] for k in key)
-    _launch_update((len(key), triton.cdiv(widest, _UPDATE_BLOCK_N)), 4,
-                   table, float(max_value), 2.0 ** -margin, length, algo == "max",
-                   _UPDATE_BLOCK_L, _UPDATE_BLOCK_N, torch.finfo(torch.float32).max)
+    algo_max = algo == "max"
+    _launch_update((len(key), -(-widest // _UPDATE_BLOCK_N), 1), 4, (length, algo_max),
+                   table, float(max_value), 2.0 ** -margin, length, algo_max,
+                   _UPDATE_BLOCK_L, _UPDATE_BLOCK_N, _FP32_MAX)
+    return True
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` of a contiguous, non-empty CUDA tensor as a float32 scalar tensor."""
     out = torch.zeros((), dtype=torch.int32, device=x.device)
     numel = x.numel()
-    _launch_amax((triton.cdiv(numel, _AMAX_BLOCK),), _AMAX_WARPS, x, out, numel, _AMAX_BLOCK)
+    _launch_amax((-(-numel // _AMAX_BLOCK), 1, 1), _AMAX_WARPS,
+                 (x.dtype, _aligned(x), _int_spec(numel)), x, out, numel, _AMAX_BLOCK)
     return out.view(torch.float32)
