@@ -35,6 +35,7 @@ import gc
 import os
 import statistics
 import sys
+import types
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
@@ -45,7 +46,6 @@ import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
 from common import environment, table, write_json  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
-from transformer_engine.pytorch import distributed  # noqa: E402
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: E402
 
 _HOOKS = ("copy_forward_fp8_meta_tensors_for_recompute",
@@ -55,16 +55,17 @@ _HOOKS = ("copy_forward_fp8_meta_tensors_for_recompute",
 @contextlib.contextmanager
 def no_fp8_recompute_bookkeeping():
     """Replace the three recompute hooks by no-ops that keep only the backward-update
-    session (so the backward still updates scales): no stash copies, no frame
-    lookups, no swap. For timing only: the recompute then uses the live scales."""
+    session (so the backward still updates scales): no stash snapshots (so nothing to
+    copy at the update), no frame lookups, no swap. For timing only: the recompute then
+    uses the live scales."""
     saved = {name: FP8GlobalStateManager.__dict__[name] for name in _HOOKS}
 
     def copy(cls, fp8_meta, bwd_session=None):
         fp8_meta["_bench_bwd_session"] = bwd_session
 
     def get_old(cls, fp8_meta):
-        return distributed.RecomputeStash(fp8_meta["scaling_fwd"],
-                                          fp8_meta.get("_bench_bwd_session"))
+        return types.SimpleNamespace(scaling_fwd=fp8_meta["scaling_fwd"],
+                                     bwd_session=fp8_meta.get("_bench_bwd_session"))
 
     def restore(cls, fp8_meta):
         pass

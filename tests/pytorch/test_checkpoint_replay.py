@@ -465,3 +465,51 @@ def test_non_tensor_arguments_pass_through(use_reentrant):
         assert (n, label, nothing, scale) == (3, "tag", None, 0.5)
         assert cfg is config and opq is opaque and its is items
     assert all(torch.equal(r, g) for r, g in zip(ref, got))
+
+
+# ---- the stash is copied on write ------------------------------------------------------
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_stash_is_copied_once_by_the_update_not_by_the_forward(use_reentrant, monkeypatch):
+    """Phase 1 copies no FP8 state: each stash reads its module's live state until the
+    update at the autocast exit, which first copies every such state in one
+    concatenation; the recompute then casts with the phase-1 scales while the live
+    scales have moved."""
+    layers = linears(3)
+    for layer in layers:                    # scales that the update will change
+        layer.fp8_meta["scaling_fwd"].amax_history.fill_(2.0)
+    clones = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(1) or
+                        real_clone(t, *a, **k))
+    x = torch.randn(16, 32, requires_grad=True)
+    before = [fwd_scale(layer) for layer in layers]
+    live_states = [layer.fp8_meta["scaling_fwd"] for layer in layers]
+
+    def fn(h):
+        for layer in layers:
+            h = layer(h)
+        return h
+
+    clones.clear()
+    with te.autocast(recipe=RECIPE):
+        y = te.checkpoint(fn, x, use_reentrant=use_reentrant)
+        clones_in_phase1 = len(clones)
+        frames = list(distributed._LIVE_FRAMES)
+        entries = [e for f in frames for es in f.stashes.values() for e in es]
+        assert len(entries) == 3
+        assert all(e.scaling_fwd is s for e, s in zip(entries, live_states))   # no copy yet
+    copies = [e.scaling_fwd for e in entries]
+    assert all(c is not s for c, s in zip(copies, live_states))
+    # one concatenation holds all three copies
+    assert len({t.untyped_storage().data_ptr() for c in copies
+                for t in (c.scale, c.scale_inv, c.amax_history)}) == 1
+    for copy_, scale, layer in zip(copies, before, layers):
+        assert torch.equal(copy_.scale, scale)                       # the phase-1 scale
+        assert not torch.equal(fwd_scale(layer), scale)              # the live one moved
+    assert clones_in_phase1 == 0
+    used = _record_recompute_scales(monkeypatch)
+    y.sum().backward()
+    assert [u[1] for u in used] == [tuple(s.tolist()) for s in before]
+    del frames, entries, copies, y
+    assert stash_count() == 0

@@ -16,9 +16,13 @@ NOTE [Recompute stashes]
     The bookkeeping lives in one `_RecomputeFrame` per checkpoint call, owned by that
     call's autograd graph (the reentrant Function's ctx, or the recompute context of
     the non-reentrant checkpoint). In phase 1 each delayed-scaling FP8 module appends
-    a `RecomputeStash` (a copy of its forward scale, scale_inv and amax history, and
-    the backward-update session if it was the session's first FP8 module) to every
-    frame that is recording; in phase 2 it takes its stashes back in call order. A
+    a `RecomputeStash` (a snapshot of its forward scale, scale_inv and amax history,
+    and the backward-update session if it was the session's first FP8 module) to every
+    frame that is recording; in phase 2 it takes its stashes back in call order. The
+    snapshot is copied on write (`fp8.ScalingSnapshot`): phase 1 copies nothing; the
+    delayed-scaling update, the only writer of a scale, first copies every state that
+    snapshots still read, all in one concatenation. So the recompute casts with exactly
+    the scales of phase 1, and a forward pays no copy kernels for its stash. A
     checkpoint nested inside a recompute records the stashes its enclosing recompute
     hands out, so nested regions see the phase-1 state too. A dropped graph drops its
     frame: nothing global grows. The recompute records no amax, registers nothing
@@ -45,7 +49,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .fp8 import FP8GlobalStateManager, RecomputeStateError, ScalingState
+from .fp8 import FP8GlobalStateManager, RecomputeStateError, ScalingSnapshot, ScalingState
 from .tensor_parallel import (get_distributed_rank, get_distributed_world_size,
                               set_tensor_model_parallel_attributes)
 
@@ -81,10 +85,16 @@ def is_training_forward() -> bool:
 
 
 class RecomputeStash(NamedTuple):
-    """What one FP8 module call stashed in phase 1 for its recompute."""
+    """What one FP8 module call stashed in phase 1 for its recompute: its forward
+    scaling state as phase 1 saw it (copied on write), and the backward-update session
+    if it was the session's first FP8 module."""
 
-    scaling_fwd: ScalingState
+    snapshot: ScalingSnapshot
     bwd_session: Any
+
+    @property
+    def scaling_fwd(self) -> ScalingState:
+        return self.snapshot.state
 
 
 class _RecomputeFrame:

@@ -18,6 +18,7 @@ NOTE [Delayed-scaling update order]
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -26,20 +27,22 @@ import torch
 from ..common.recipe import DelayedScaling, Recipe
 from . import quantize
 
-__all__ = ["ScalingState", "FP8GlobalStateManager", "autocast", "fp8_autocast",
-           "is_fp8_available", "get_default_fp8_recipe", "RecomputeStateError"]
+__all__ = ["ScalingState", "ScalingSnapshot", "copy_before_write", "FP8GlobalStateManager",
+           "autocast", "fp8_autocast", "is_fp8_available", "get_default_fp8_recipe",
+           "RecomputeStateError"]
 
 
 class RecomputeStateError(RuntimeError):
     """An activation recompute could not find the FP8 state its forward stashed."""
 
 
-@dataclass
+@dataclass(eq=False)
 class ScalingState:
     """Delayed-scaling state of one module's forward or backward tensors.
 
     ``scale[i]`` casts tensor ``i``; ``scale_inv = 1 / scale``; ``amax_history`` is
     ``[amax_history_len, n]`` with row 0 the live row being recorded this step.
+    Compared by identity (it is mutable state, not a value).
     """
 
     scale: torch.Tensor
@@ -59,6 +62,51 @@ class ScalingState:
         """Fold an amax into the live row (max with what this step already saw)."""
         live = self.amax_history[0, index]
         torch.maximum(live, amax_value, out=live)
+
+
+# Live states with snapshots that still read them (NOTE [Recompute stashes] in
+# distributed.py): the update copies them before it writes.
+_PENDING_SNAPSHOTS: "weakref.WeakKeyDictionary[ScalingState, weakref.WeakSet]" = (
+    weakref.WeakKeyDictionary())
+
+
+class ScalingSnapshot:
+    """A `ScalingState` as it is now, copied on write: ``state`` is the live state
+    itself until the delayed-scaling update is about to change it (`copy_before_write`),
+    then a copy made just before. The scale is therefore exactly the one in force when
+    the snapshot was taken (only the update changes it); the live amax row may also
+    hold amaxes recorded later in the same autocast."""
+
+    __slots__ = ("state", "__weakref__")
+
+    def __init__(self, live: ScalingState):
+        self.state = live
+        readers = _PENDING_SNAPSHOTS.get(live)
+        if readers is None:
+            readers = _PENDING_SNAPSHOTS[live] = weakref.WeakSet()
+        readers.add(self)
+
+
+def copy_before_write(states: List[ScalingState]) -> None:
+    """Give every snapshot still reading one of ``states`` its own copy, before the
+    states are changed in place: one concatenation per device for all of them."""
+    if not _PENDING_SNAPSHOTS:
+        return
+    by_device: Dict[torch.device, list] = {}
+    for s in states:
+        readers = _PENDING_SNAPSHOTS.pop(s, None)
+        if readers:
+            by_device.setdefault(s.scale.device, []).append((s, list(readers)))
+    for pending in by_device.values():
+        flat = torch.cat([t for s, _ in pending
+                          for t in (s.scale, s.scale_inv, s.amax_history.view(-1))])
+        parts = flat.split([t.numel() for s, _ in pending
+                            for t in (s.scale, s.scale_inv, s.amax_history)])
+        for i, (s, readers) in enumerate(pending):
+            copy = ScalingState(parts[3 * i], parts[3 * i + 1],
+                                parts[3 * i + 2].view(s.amax_history.shape))
+            for reader in readers:
+                reader.state = copy
 
 
 class _UpdateGroup:
@@ -91,8 +139,10 @@ class _AutocastSession:
     def discard_forward_amaxes(self) -> None:
         """Forget the live forward amaxes of an autocast that raised."""
         for g in self.groups.values():
-            for meta in g.metas.values():
-                meta["scaling_fwd"].amax_history[0].zero_()
+            states = [meta["scaling_fwd"] for meta in g.metas.values()]
+            copy_before_write(states)
+            for state in states:
+                state.amax_history[0].zero_()
 
 
 @dataclass(frozen=True)
@@ -121,6 +171,7 @@ def _update_scaling_states(metas: List[dict], recipe: DelayedScaling, group,
     states = [m[key] for m in metas if m.get(key) is not None]
     if not states:
         return
+    copy_before_write(states)       # recompute stashes keep the values they saw
     if recipe.reduce_amax and _group_size(group) > 1:
         # one MAX all-reduce of every live row, copied back before the update
         lives = [s.amax_history[0] for s in states]
@@ -238,7 +289,7 @@ class FP8GlobalStateManager:
         """Phase 1: stash this module's forward scale and amax history into every
         checkpoint call that is recording."""
         from . import distributed
-        entry = distributed.RecomputeStash(fp8_meta["scaling_fwd"].clone(), bwd_session)
+        entry = distributed.RecomputeStash(ScalingSnapshot(fp8_meta["scaling_fwd"]), bwd_session)
         position = distributed.stash_for_recompute(fp8_meta, entry)
         fp8_meta["global_fp8_buffer_pos_fwd_recompute"] = position
 
