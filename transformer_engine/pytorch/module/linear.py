@@ -53,9 +53,9 @@ class _FP8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 forward, dgrad and wgrad GEMMs.
 
     The forward casts also produce the transposed FP8 copies the backward GEMMs take
-    (``W^T`` for dgrad, ``x^T`` for wgrad; in the cast's own pass on CUDA with
-    ``NVTE_FUSED_FP8_TRANSPOSE=1``, NOTE [Fused casts]) and save only those: FP8
-    copies, not the high-precision tensors, and nothing to transpose in backward.
+    (``W^T`` for dgrad, ``x^T`` for wgrad; on CUDA in the cast's own pass, NOTE [Fused
+    casts]) and save only those: FP8 copies, not the high-precision tensors, and
+    nothing to transpose in backward.
     """
 
     @staticmethod
