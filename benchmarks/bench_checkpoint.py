@@ -35,6 +35,7 @@ import gc
 import os
 import statistics
 import sys
+import time
 import types
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,15 +93,23 @@ def run_layers(layers, x, mode):
 
 
 def make_step(layers, x, dy, mode, fp8):
+    """One training step of ``mode``; each call appends the host time (ms) its forward
+    and its backward took to enqueue to ``step.host_ms`` (no sync inside: when the
+    host is slower than the GPU, these approach the step time)."""
     recipe = DelayedScaling()
     book = no_fp8_recompute_bookkeeping if mode.endswith("_nobook") else contextlib.nullcontext
 
     def step():
+        t0 = time.perf_counter()
         with book():
             with te.autocast(enabled=fp8, recipe=recipe):
                 out = run_layers(layers, x, mode)
+            t1 = time.perf_counter()
             if mode != "forward":
                 out.backward(dy)
+        t2 = time.perf_counter()
+        step.host_ms.append((1e3 * (t1 - t0), 1e3 * (t2 - t1)))
+    step.host_ms = []
     return step
 
 
@@ -112,6 +121,8 @@ def measure(steps: dict, warmup: int, iters: int) -> dict:
         for _ in range(warmup):
             step()
     torch.cuda.synchronize()
+    for step in steps.values():
+        step.host_ms.clear()
     times = {name: [] for name in steps}
     peaks = {name: 0 for name in steps}
     gc.collect()
@@ -120,8 +131,45 @@ def measure(steps: dict, warmup: int, iters: int) -> dict:
         _rounds(steps, iters, times, peaks)
     finally:
         gc.enable()
-    return {name: {"ms": statistics.median(t), "peak_bytes": peaks[name], "times_ms": t}
+    return {name: {"ms": statistics.median(t), "peak_bytes": peaks[name], "times_ms": t,
+                   "host_fwd_ms": statistics.median(h[0] for h in steps[name].host_ms),
+                   "host_bwd_ms": statistics.median(h[1] for h in steps[name].host_ms)}
             for name, t in times.items()}
+
+
+def profile_steps(steps: dict, iters: int = 3) -> dict:
+    """GPU side of each step (torch.profiler, after the timed rounds): time the GPU
+    was busy (union of kernel intervals) against the span from the first kernel to
+    the last, so idle time (the GPU waiting on the host) shows; kernels per step by
+    name."""
+    from torch.profiler import ProfilerActivity, profile
+    report = {}
+    for name, step in steps.items():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+                torch.cuda.synchronize()
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, end, counts = 0.0, float("-inf"), {}
+        for start, stop, kname in kernels:
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+            counts[kname[:120]] = counts.get(kname[:120], 0) + 1
+        span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+        report[name] = {"gpu_busy_ms": busy / iters / 1e3, "kernels_per_step": len(kernels) / iters,
+                        "kernel_counts": {k: c / iters for k, c in counts.items()},
+                        "span_ms": span / iters / 1e3}
+    return report
+
+
+def kernel_count_diff(a: dict, b: dict, top: int = 12) -> list:
+    """Kernels whose per-step count differs most between profiles ``a`` and ``b``."""
+    names = set(a["kernel_counts"]) | set(b["kernel_counts"])
+    diff = [(n, a["kernel_counts"].get(n, 0) - b["kernel_counts"].get(n, 0)) for n in names]
+    return sorted((d for d in diff if d[1]), key=lambda d: -abs(d[1]))[:top]
 
 
 def _rounds(steps: dict, iters: int, times: dict, peaks: dict) -> None:
@@ -148,6 +196,9 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one step of each mode on the GPU (busy vs idle)")
+    p.add_argument("--name", default="bench_checkpoint", help="JSON file name prefix")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -171,11 +222,13 @@ def main(argv=None):
         steps = {f"{precision}/{mode}": make_step(layers, x, dy, mode, fp8=precision == "fp8")
                  for mode in modes}
         result["results"].update(measure(steps, args.warmup, args.iters))
+        if args.profile:
+            result.setdefault("profile", {}).update(profile_steps(steps))
         for key in steps:
             r = result["results"][key]
             print(f"{key}: {r['ms']:.2f} ms, peak activations {r['peak_bytes'] / 2**30:.2f} GiB",
                   flush=True)
-        write_json(result, "bench_checkpoint", args.out)
+        write_json(result, args.name, args.out)
     rows = []
     res = result["results"]
     for key, r in res.items():
@@ -192,17 +245,27 @@ def main(argv=None):
             r["bookkeeping_overhead_iqr"] = [q[0], q[2]]
         r["extra_over_forward"] = extra
         r["memory_ratio"] = r["peak_bytes"] / none["peak_bytes"]
-        rows.append([key, f"{r['ms']:.2f}", f"{r['ms'] / none['ms']:.3f}",
+        rows.append([key, f"{r['ms']:.2f}", f"{r['host_fwd_ms']:.1f}/{r['host_bwd_ms']:.1f}",
+                     f"{r['ms'] / none['ms']:.3f}",
                      "" if extra is None else f"{extra:.2f}",
                      f"{r['peak_bytes'] / 2**30:.2f}", f"{r['memory_ratio']:.3f}",
                      "" if book is None else
                      f"{100 * book:+.2f}% [{100 * q[0]:+.1f}, {100 * q[2]:+.1f}]"])
-    path = write_json(result, "bench_checkpoint", args.out)
+    for key, prof in result.get("profile", {}).items():
+        print(f"profile {key}: GPU busy {prof['gpu_busy_ms']:.2f} ms of "
+              f"{res[key]['ms']:.2f} ms per step, {prof['kernels_per_step']:.0f} kernels")
+    profiles = result.get("profile", {})
+    for a, b in (("fp8/te_nonreentrant", "fp8/te_reentrant"), ("fp8/te_reentrant", "fp8/none")):
+        if a in profiles and b in profiles:
+            print(f"kernels per step, {a} minus {b}:")
+            for kname, d in kernel_count_diff(profiles[a], profiles[b]):
+                print(f"  {d:+.0f}  {kname}")
+    path = write_json(result, args.name, args.out)
     print(f"\nwrote {path}")
     print(f"\n{args.layers} x te.TransformerLayer(hidden {h}, ffn {4 * h}, heads {args.heads}), "
           f"seq {args.seq}, batch {args.batch}, bf16 params; {env['card']}, torch {env['torch']}")
-    print(table(rows, ["precision/mode", "step ms", "vs none", "extra/fwd", "peak act GiB",
-                       "mem ratio", "bookkeeping [IQR]"]))
+    print(table(rows, ["precision/mode", "step ms", "host f/b ms", "vs none", "extra/fwd",
+                       "peak act GiB", "mem ratio", "bookkeeping [IQR]"]))
 
 
 if __name__ == "__main__":

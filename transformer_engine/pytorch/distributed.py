@@ -14,7 +14,7 @@ NOTE [Recompute stashes]
     checkpointed function counts (the seed's change).
 
     The bookkeeping lives in one `_RecomputeFrame` per checkpoint call, owned by that
-    call's autograd graph (the reentrant Function's ctx, or the recompute context of
+    call's autograd graph (the reentrant Function's ctx, or the saved-tensor hooks of
     the non-reentrant checkpoint). In phase 1 each delayed-scaling FP8 module appends
     a `RecomputeStash` (a snapshot of its forward scale, scale_inv and amax history,
     and the backward-update session if it was the session's first FP8 module) to every
@@ -42,7 +42,6 @@ NOTE [Recompute stashes]
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -387,23 +386,6 @@ class _CheckpointCall:
                 self.frame.end_recompute()
 
 
-class _ReusableContext:
-    """A context manager that can be entered once per recompute (torch's
-    non-reentrant checkpoint re-enters the same object for each backward)."""
-
-    def __init__(self, factory: Callable[[], Any]):
-        self.factory = factory
-        self.active: List[Any] = []
-
-    def __enter__(self):
-        cm = self.factory()
-        self.active.append(cm)
-        return cm.__enter__()
-
-    def __exit__(self, *exc):
-        return self.active.pop().__exit__(*exc)
-
-
 def _flatten(args: tuple, kwargs: dict):
     keys = tuple(kwargs)
     return keys, tuple(args) + tuple(kwargs[k] for k in keys)
@@ -571,19 +553,99 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
     return _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs)
 
 
+class _SavedInputs(torch.autograd.Function):
+    """Holds a non-reentrant call's tensor arguments for its recompute on a graph node
+    of their own. Saving them (rather than keeping references) lets an enclosing
+    checkpoint's hooks drop and recompute them like any other activation, and lets
+    autograd's version check catch an argument modified in place before backward.
+    The node's output is never used, so the node never runs."""
+
+    @staticmethod
+    def forward(ctx, _anchor: torch.Tensor, *tensors: torch.Tensor):
+        ctx.save_for_backward(*tensors)
+        return _anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        raise RuntimeError("te.checkpoint: internal node _SavedInputs must never run backward")
+
+
+class _NonReentrantCheckpoint:
+    """One non-reentrant checkpoint call: saved-tensor hooks that keep no activation in
+    phase 1 (each saved tensor is packed as its position) and, at the first unpack of
+    a backward pass, recompute the whole function and hand the recomputed tensors out
+    by position, each exactly once (so a retained graph's next pass recomputes again).
+
+    The hooks are bound methods of this object, so the phase-1 graph owns it; it holds
+    no tensor of that graph (arguments sit on a `_SavedInputs` node, recomputed
+    tensors are detached), so no reference cycle keeps a dropped graph alive.
+    """
+
+    __slots__ = ("call", "keys", "non_tensors", "tensor_positions", "inputs_node",
+                 "saved_count", "recomputed", "__weakref__")
+
+    def __init__(self, call: _CheckpointCall, keys: tuple, flat: tuple):
+        self.call, self.keys = call, keys
+        self.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
+        self.non_tensors = [None if torch.is_tensor(a) else a for a in flat]
+        anchor = torch.empty(0, requires_grad=True)
+        self.inputs_node = _SavedInputs.apply(
+            anchor, *(flat[i] for i in self.tensor_positions)).grad_fn
+        self.saved_count = 0
+        self.recomputed: Dict[int, torch.Tensor] = {}
+
+    def pack_phase1(self, _tensor: torch.Tensor) -> int:
+        position = self.saved_count
+        self.saved_count = position + 1
+        return position
+
+    def unpack(self, position: int) -> torch.Tensor:
+        tensor = self.recomputed.pop(position, None)
+        if tensor is None:
+            self._recompute()
+            tensor = self.recomputed.pop(position)
+        return tensor
+
+    def _recompute(self) -> None:
+        flat = list(self.non_tensors)
+        for position, tensor in zip(self.tensor_positions, self.inputs_node.saved_tensors):
+            flat[position] = tensor
+        args, kwargs = _unflatten(tuple(flat), self.keys)
+        recomputed: Dict[int, torch.Tensor] = {}
+
+        def pack(tensor: torch.Tensor) -> None:
+            recomputed[len(recomputed)] = tensor.detach()
+
+        with (self.call.recompute(torch_state=True), torch.enable_grad(),
+              torch.autograd.graph.saved_tensors_hooks(pack, _unpack_in_recompute)):
+            self.call.function(*args, **kwargs)
+        if len(recomputed) != self.saved_count:
+            raise RecomputeStateError(
+                f"te.checkpoint: the recompute saved {len(recomputed)} tensor(s) for "
+                f"backward where the first forward saved {self.saved_count}; the "
+                "checkpointed function must run the same operations in both phases")
+        self.recomputed = recomputed
+
+
+def _unpack_in_recompute(_packed) -> torch.Tensor:
+    raise RuntimeError("te.checkpoint: a saved tensor of the recompute's own graph was "
+                       "used; the recompute graph exists only to produce saved tensors")
+
+
 def _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs):
-    """torch's non-reentrant checkpoint (saved-tensor hooks; it replays torch's RNG and
-    autocast state), without early stop. Our phase-1 context is entered here, around
-    the whole call, not handed to torch as its forward context: torch enters that one
-    inside a generator that is not closed when the function raises, which would leave
-    the recompute flags set."""
-    call = _CheckpointCall(function, tracker, context_fn, torch_generators=False)
-    recompute_ctx = _ReusableContext(functools.partial(call.recompute, torch_state=False))
-    with call.phase1(reentrant=False), torch_checkpoint.set_checkpoint_early_stop(False):
-        outputs = torch_checkpoint.checkpoint(
-            function, *args, use_reentrant=False, preserve_rng_state=True,
-            context_fn=lambda: (contextlib.nullcontext(), recompute_ctx), **kwargs)
-    if torch.is_grad_enabled() and not _any_requires_grad(outputs):
+    """Phase 1 under saved-tensor hooks that keep nothing; the recompute at the first
+    unpack in backward (`_NonReentrantCheckpoint`). Works with ``torch.autograd.grad``
+    and ``retain_graph``; runs the whole function (no early stop)."""
+    call = _CheckpointCall(function, tracker, context_fn, torch_generators=True)
+    if not torch.is_grad_enabled():
+        with call.phase1(reentrant=False):
+            return function(*args, **kwargs)
+    keys, flat = _flatten(args, kwargs)
+    state = _NonReentrantCheckpoint(call, keys, flat)
+    with call.phase1(reentrant=False), torch.autograd.graph.saved_tensors_hooks(
+            state.pack_phase1, state.unpack):
+        outputs = function(*args, **kwargs)
+    if not _any_requires_grad(outputs):
         raise RuntimeError(
             "te.checkpoint: no output of the checkpointed function requires grad, so there "
             "is nothing to backpropagate through it; call the function directly instead "
