@@ -23,8 +23,8 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import distributed, quantize
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-from transformer_engine.pytorch.module.layernorm_mlp import activate
-from utils import assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+from transformer_engine.pytorch.module.layernorm_mlp import ACTIVATIONS, activate
+from utils import DEVICES, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
 
 NORMS = ["LayerNorm", "RMSNorm"]
 RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
@@ -295,6 +295,25 @@ def test_layernorm_mlp_high_precision(activation):
     assert_close(x.grad, x64.grad, 1e-4, "dx")
     for n, t in m.named_parameters():
         assert_close(t.grad, p[n].grad, 1e-4, f"d{n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
+def test_one_op_activation_is_float32_rounded_once(activation, dtype, device):
+    """The activations `activate` applies to a 16-bit input directly (one torch op) equal
+    the float32 computation on the upcast input rounded once, forward and backward."""
+    fn, _ = ACTIVATIONS[activation]
+    torch.manual_seed(0)
+    x = (3.0 * torch.randn(256, 512, device=device)).to(dtype).requires_grad_()
+    dy = torch.randn(256, 512, device=device).to(dtype)
+    y = activate(x, activation)
+    y.backward(dy)
+    dx, x.grad = x.grad, None
+    ref = fn(x.float()).to(dtype)
+    ref.backward(dy)
+    assert y.dtype == dtype
+    assert torch.equal(y, ref) and torch.equal(dx, x.grad)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
