@@ -558,7 +558,7 @@ class _SavedInputs(torch.autograd.Function):
     of their own. Saving them (rather than keeping references) lets an enclosing
     checkpoint's hooks drop and recompute them like any other activation, and lets
     autograd's version check catch an argument modified in place before backward.
-    The node's output is never used, so the node never runs."""
+    The node's output is never used in the graph, so the node never runs."""
 
     @staticmethod
     def forward(ctx, _anchor: torch.Tensor, *tensors: torch.Tensor):
@@ -581,16 +581,17 @@ class _NonReentrantCheckpoint:
     tensors are detached), so no reference cycle keeps a dropped graph alive.
     """
 
-    __slots__ = ("call", "keys", "non_tensors", "tensor_positions", "inputs_node",
+    __slots__ = ("call", "keys", "non_tensors", "tensor_positions", "inputs_holder",
                  "saved_count", "recomputed", "__weakref__")
 
     def __init__(self, call: _CheckpointCall, keys: tuple, flat: tuple):
         self.call, self.keys = call, keys
         self.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
         self.non_tensors = [None if torch.is_tensor(a) else a for a in flat]
-        anchor = torch.empty(0, requires_grad=True)
-        self.inputs_node = _SavedInputs.apply(
-            anchor, *(flat[i] for i in self.tensor_positions)).grad_fn
+        # Keep the node's (empty) output, not only the node: some torch releases (2.11)
+        # free a custom Function's saved tensors once all its outputs are gone.
+        self.inputs_holder = _SavedInputs.apply(torch.empty(0, requires_grad=True),
+                                                *(flat[i] for i in self.tensor_positions))
         self.saved_count = 0
         self.recomputed: Dict[int, torch.Tensor] = {}
 
@@ -608,7 +609,8 @@ class _NonReentrantCheckpoint:
 
     def _recompute(self) -> None:
         flat = list(self.non_tensors)
-        for position, tensor in zip(self.tensor_positions, self.inputs_node.saved_tensors):
+        saved_inputs = self.inputs_holder.grad_fn.saved_tensors
+        for position, tensor in zip(self.tensor_positions, saved_inputs):
             flat[position] = tensor
         args, kwargs = _unflatten(tuple(flat), self.keys)
         recomputed: Dict[int, torch.Tensor] = {}
