@@ -298,6 +298,32 @@ def test_layernorm_mlp_high_precision(activation):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bf16_layernorm_is_float32_rounded_once(device):
+    """A bfloat16 LayerNorm (bfloat16 input and parameters) computes in float32: every
+    output is within half a bfloat16 ulp (plus float32 error) of the float64 result,
+    which bfloat16 arithmetic would miss; the gradients match the float64 ones to
+    bfloat16 precision."""
+    torch.manual_seed(0)
+    m = te.LayerNorm(1024, params_dtype=torch.bfloat16, device=device)
+    randomize_(m)
+    x = (2.0 * torch.randn(64, 1024, device=device) + 0.5).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(64, 1024, device=device).to(torch.bfloat16)
+    y = m(x)
+    y.backward(dy)
+    assert y.dtype == torch.bfloat16
+    w64, b64, x64 = leaf64(m.weight), leaf64(m.bias), leaf64(x)
+    ref = norm_ref(x64, w64, b64, "LayerNorm", m.eps, False)
+    ref.backward(dy.double())
+    ref = ref.detach()
+    half_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** -100))) - 8)
+    # float32 error (1e-4) is far below bfloat16 arithmetic's (2^-8 of values of order 1)
+    assert ((y.double() - ref).abs() <= half_ulp + 1e-4 * (1.0 + ref.abs())).all()
+    for got, want, name in ((x.grad, x64.grad, "dx"), (m.weight.grad, w64.grad, "dgamma"),
+                            (m.bias.grad, b64.grad, "dbeta")):
+        assert_close(got, want, 1e-2, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
 def test_one_op_activation_is_float32_rounded_once(activation, dtype, device):
