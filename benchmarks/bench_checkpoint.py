@@ -114,10 +114,15 @@ def timed_fp8_recompute_bookkeeping(seconds: list):
 def bookkeeping_host_ms(step, steps: int = 10) -> float:
     """Host time per step spent in the FP8 recompute bookkeeping (ms)."""
     seconds = [0.0]
-    with timed_fp8_recompute_bookkeeping(seconds):
-        for _ in range(steps):
-            step()
-    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()      # as in the timed rounds: no collection inside a timed hook
+    try:
+        with timed_fp8_recompute_bookkeeping(seconds):
+            for _ in range(steps):
+                step()
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
     return 1e3 * seconds[0] / steps
 
 
