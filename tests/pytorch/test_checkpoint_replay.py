@@ -472,8 +472,8 @@ def test_non_tensor_arguments_pass_through(use_reentrant):
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_stash_is_copied_once_by_the_update_not_by_the_forward(use_reentrant, monkeypatch):
     """Phase 1 copies no FP8 state: each stash reads its module's live state until the
-    update at the autocast exit, which first copies every such state in one
-    concatenation; the recompute then casts with the phase-1 scales while the live
+    update at the autocast exit, which first copies every such state in two
+    concatenations; the recompute then casts with the phase-1 scales while the live
     scales have moved."""
     layers = linears(3)
     for layer in layers:                    # scales that the update will change
@@ -501,9 +501,12 @@ def test_stash_is_copied_once_by_the_update_not_by_the_forward(use_reentrant, mo
         assert all(e.scaling_fwd is s for e, s in zip(entries, live_states))   # no copy yet
     copies = [e.scaling_fwd for e in entries]
     assert all(c is not s for c, s in zip(copies, live_states))
-    # one concatenation holds all three copies
+    # two concatenations hold all three copies: scales with scale_invs, and histories
     assert len({t.untyped_storage().data_ptr() for c in copies
-                for t in (c.scale, c.scale_inv, c.amax_history)}) == 1
+                for t in (c.scale, c.scale_inv)}) == 1
+    assert len({c.amax_history.untyped_storage().data_ptr() for c in copies}) == 1
+    for copy_, live in zip(copies, live_states):
+        assert copy_.amax_history.shape == live.amax_history.shape
     for copy_, scale, layer in zip(copies, before, layers):
         assert torch.equal(copy_.scale, scale)                       # the phase-1 scale
         assert not torch.equal(fwd_scale(layer), scale)              # the live one moved

@@ -21,7 +21,7 @@ NOTE [Recompute stashes]
     frame that is recording; in phase 2 it takes its stashes back in call order. The
     snapshot is copied on write (`fp8.ScalingSnapshot`): phase 1 copies nothing; the
     delayed-scaling update, the only writer of a scale, first copies every state that
-    snapshots still read, all in one concatenation. So the recompute casts with exactly
+    snapshots still read, in two concatenations. So the recompute casts with exactly
     the scales of phase 1, and a forward pays no copy kernels for its stash. A
     checkpoint nested inside a recompute records the stashes its enclosing recompute
     hands out, so nested regions see the phase-1 state too. A dropped graph drops its

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -48,6 +48,9 @@ class ScalingState:
     scale: torch.Tensor
     scale_inv: torch.Tensor
     amax_history: torch.Tensor
+    # The `_PendingCopy` that snapshots taken since the last update share (weakly: a
+    # copy is made only while some snapshot still reads this state).
+    pending: Optional["weakref.ref[_PendingCopy]"] = field(default=None, init=False, repr=False)
 
     @classmethod
     def new(cls, num_tensors: int, history_len: int, device) -> "ScalingState":
@@ -64,10 +67,15 @@ class ScalingState:
         torch.maximum(live, amax_value, out=live)
 
 
-# Live states with snapshots that still read them (NOTE [Recompute stashes] in
-# distributed.py): the update copies them before it writes.
-_PENDING_SNAPSHOTS: "weakref.WeakKeyDictionary[ScalingState, weakref.WeakSet]" = (
-    weakref.WeakKeyDictionary())
+class _PendingCopy:
+    """Where the next update of one live state puts the copy that the snapshots taken
+    before it read (one per state and update interval, shared by those snapshots, so
+    the update never enumerates snapshots)."""
+
+    __slots__ = ("copy", "__weakref__")
+
+    def __init__(self):
+        self.copy: Optional[ScalingState] = None
 
 
 class ScalingSnapshot:
@@ -77,36 +85,43 @@ class ScalingSnapshot:
     the snapshot was taken (only the update changes it); the live amax row may also
     hold amaxes recorded later in the same autocast."""
 
-    __slots__ = ("state", "__weakref__")
+    __slots__ = ("live", "pending")
 
     def __init__(self, live: ScalingState):
-        self.state = live
-        readers = _PENDING_SNAPSHOTS.get(live)
-        if readers is None:
-            readers = _PENDING_SNAPSHOTS[live] = weakref.WeakSet()
-        readers.add(self)
+        pending = live.pending() if live.pending is not None else None
+        if pending is None:
+            pending = _PendingCopy()
+            live.pending = weakref.ref(pending)
+        self.live, self.pending = live, pending
+
+    @property
+    def state(self) -> ScalingState:
+        copy = self.pending.copy
+        return self.live if copy is None else copy
 
 
 def copy_before_write(states: List[ScalingState]) -> None:
-    """Give every snapshot still reading one of ``states`` its own copy, before the
-    states are changed in place: one concatenation per device for all of them."""
-    if not _PENDING_SNAPSHOTS:
-        return
-    by_device: Dict[torch.device, list] = {}
+    """Give the snapshots still reading any of ``states`` a copy, before the states are
+    changed in place: two concatenations (scales with scale_invs, and the histories
+    side by side) per device and history length, whatever the number of states, and
+    no per-state tensor op (the host cost of an update with many modules matters)."""
+    groups: Dict[Tuple[torch.device, int], list] = {}
     for s in states:
-        readers = _PENDING_SNAPSHOTS.pop(s, None)
-        if readers:
-            by_device.setdefault(s.scale.device, []).append((s, list(readers)))
-    for pending in by_device.values():
-        flat = torch.cat([t for s, _ in pending
-                          for t in (s.scale, s.scale_inv, s.amax_history.view(-1))])
-        parts = flat.split([t.numel() for s, _ in pending
-                            for t in (s.scale, s.scale_inv, s.amax_history)])
-        for i, (s, readers) in enumerate(pending):
-            copy = ScalingState(parts[3 * i], parts[3 * i + 1],
-                                parts[3 * i + 2].view(s.amax_history.shape))
-            for reader in readers:
-                reader.state = copy
+        ref = s.pending
+        if ref is not None:
+            s.pending = None
+            pending = ref()
+            if pending is not None:
+                key = (s.scale.device, s.amax_history.shape[0])
+                groups.setdefault(key, []).append((s, pending))
+    for todo in groups.values():
+        sizes = [s.scale.shape[0] for s, _ in todo]
+        vectors = torch.cat([s.scale for s, _ in todo] + [s.scale_inv for s, _ in todo])
+        vectors = vectors.split(sizes + sizes)
+        histories = torch.cat([s.amax_history for s, _ in todo], dim=1).split(sizes, dim=1)
+        n = len(todo)
+        for i, (_, pending) in enumerate(todo):
+            pending.copy = ScalingState(vectors[i], vectors[n + i], histories[i])
 
 
 class _UpdateGroup:
