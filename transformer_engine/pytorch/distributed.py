@@ -116,7 +116,8 @@ class _RecomputeFrame:
 
     def replay_mode(self, module: torch.nn.Module) -> None:
         recorded = self.modes.get(id(module))
-        if recorded is not None and id(module) not in self.replaced_modes:
+        if (recorded is not None and module.training != recorded[1]
+                and id(module) not in self.replaced_modes):
             self.replaced_modes[id(module)] = (module, module.training)
             module.training = recorded[1]
 
@@ -196,6 +197,13 @@ def take_recompute_stash(fp8_meta: dict) -> RecomputeStash:
 def _module_mode_hook(module: torch.nn.Module, args) -> None:
     """Global forward pre-hook while a checkpoint call runs: the recompute being run
     sets the module's phase-1 training flag, and recording frames note the flag."""
+    if len(_frames) == 1:       # the common case, on every module call: no generators
+        frame, recomputing = _frames[0]
+        if recomputing:
+            frame.replay_mode(module)
+        else:
+            frame.record_mode(module)
+        return
     source = next((frame for frame, recomputing in reversed(_frames) if recomputing), None)
     if source is not None:
         source.replay_mode(module)
