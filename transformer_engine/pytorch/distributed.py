@@ -128,8 +128,11 @@ class _RecomputeFrame:
         self.replaced_modes = {}
 
     def add(self, fp8_meta: dict, entry: RecomputeStash) -> int:
-        entries = self.stashes.setdefault(id(fp8_meta), [])
-        self.metas[id(fp8_meta)] = fp8_meta
+        key = id(fp8_meta)
+        entries = self.stashes.get(key)
+        if entries is None:
+            entries = self.stashes[key] = []
+            self.metas[key] = fp8_meta
         entries.append(entry)
         return len(entries) - 1
 
@@ -174,6 +177,8 @@ def _recording_frames() -> List["_RecomputeFrame"]:
 
 def stash_for_recompute(fp8_meta: dict, entry: RecomputeStash) -> Optional[int]:
     """Give ``entry`` to every recording frame; returns its position in the innermost."""
+    if len(_frames) == 1 and not _frames[0][1]:      # one phase-1 frame: the common case
+        return _frames[0][0].add(fp8_meta, entry)
     position = None
     for frame in _recording_frames():
         p = frame.add(fp8_meta, entry)
@@ -184,6 +189,8 @@ def stash_for_recompute(fp8_meta: dict, entry: RecomputeStash) -> Optional[int]:
 def take_recompute_stash(fp8_meta: dict) -> RecomputeStash:
     """The next stash of this module in the call being recomputed; also handed to
     checkpoint calls nested inside that recompute."""
+    if len(_frames) == 1 and _frames[0][1]:          # one recomputing frame: the common case
+        return _frames[0][0].take(fp8_meta)
     source = next((frame for frame, recomputing in reversed(_frames) if recomputing), None)
     if source is None:
         raise RecomputeStateError("te.checkpoint: an FP8 module asked for its recompute stash "

@@ -124,6 +124,18 @@ def copy_before_write(states: List[ScalingState]) -> None:
             pending.copy = ScalingState(vectors[i], vectors[n + i], histories[i])
 
 
+def _distributed():
+    """The checkpoint module (imported on first use: it imports this one)."""
+    global _DISTRIBUTED
+    if _DISTRIBUTED is None:
+        from . import distributed
+        _DISTRIBUTED = distributed
+    return _DISTRIBUTED
+
+
+_DISTRIBUTED = None
+
+
 class _UpdateGroup:
     """Modules of one session that share a recipe and an amax-reduction group."""
 
@@ -303,7 +315,7 @@ class FP8GlobalStateManager:
     def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict, bwd_session=None) -> None:
         """Phase 1: stash this module's forward scale and amax history into every
         checkpoint call that is recording."""
-        from . import distributed
+        distributed = _distributed()
         entry = distributed.RecomputeStash(ScalingSnapshot(fp8_meta["scaling_fwd"]), bwd_session)
         position = distributed.stash_for_recompute(fp8_meta, entry)
         fp8_meta["global_fp8_buffer_pos_fwd_recompute"] = position
@@ -311,10 +323,9 @@ class FP8GlobalStateManager:
     @classmethod
     def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict):
         """Phase 2: swap this call's stashed forward state in; returns the stash."""
-        from . import distributed
-        entry = distributed.take_recompute_stash(fp8_meta)
+        entry = _distributed().take_recompute_stash(fp8_meta)
         fp8_meta["updated_fp8_state_fwd"] = fp8_meta["scaling_fwd"]
-        fp8_meta["scaling_fwd"] = entry.scaling_fwd
+        fp8_meta["scaling_fwd"] = entry.snapshot.state
         return entry
 
     @classmethod
