@@ -69,13 +69,21 @@ def checkpoint_table(r: dict) -> str:
         book = x.get("bookkeeping_overhead")
         iqr = x.get("bookkeeping_overhead_iqr")
         none = r["results"][key.split("/")[0] + "/none"]
-        rows.append([key, f"{x['ms']:.1f}", f"{x['ms'] / none['ms']:.3f}",
+        host = (f"{x['host_fwd_ms']:.1f}/{x['host_bwd_ms']:.1f}" if "host_fwd_ms" in x else "")
+        bound = x.get("bookkeeping_bound")
+        rows.append([key, f"{x['ms']:.1f}", host, f"{x['ms'] / none['ms']:.3f}",
                      "" if x.get("extra_over_forward") is None else f"{x['extra_over_forward']:.2f}",
                      f"{x['peak_bytes'] / 2 ** 30:.2f}", f"{x['memory_ratio']:.3f}",
                      "" if book is None else
-                     f"{100 * book:+.1f}% [{100 * iqr[0]:+.1f}, {100 * iqr[1]:+.1f}]"])
-    out.append(rst_table(["precision/mode", "step ms", "vs none", "extra/fwd", "peak act GiB",
-                          "act. ratio", "bookkeeping [IQR]"], rows))
+                     f"{100 * book:+.1f}% [{100 * iqr[0]:+.1f}, {100 * iqr[1]:+.1f}]",
+                     "" if bound is None else f"{100 * bound:.2f}%"])
+    out.append(rst_table(["precision/mode", "step ms", "host f/b ms", "vs none", "extra/fwd",
+                          "peak act GiB", "act. ratio", "bookkeeping [IQR]", "bound"], rows))
+    profiles = r.get("profile", {})
+    if profiles:
+        out.append("")
+        out.append("GPU busy per step (ms, union of kernel intervals, torch.profiler): " + ", ".join(
+            f"{k} {p['gpu_busy_ms']:.1f}" for k, p in profiles.items()))
     return "\n".join(out)
 
 
