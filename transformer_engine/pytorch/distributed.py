@@ -321,29 +321,26 @@ class CudaRNGStatesTracker:
 class _RngSnapshot:
     """RNG states at a checkpoint call, replayed for its recompute."""
 
-    def __init__(self, tracker: Optional[CudaRNGStatesTracker], torch_generators: bool):
-        self.cpu = torch.get_rng_state() if torch_generators else None
-        self.cuda = (torch.cuda.get_rng_state_all()
-                     if torch_generators and torch.cuda.is_initialized() else None)
+    def __init__(self, tracker: Optional[CudaRNGStatesTracker]):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.tracker = tracker
         self.tracker_states = tracker.get_states() if tracker is not None else None
 
     @contextlib.contextmanager
     def replay(self):
-        now_cpu = torch.get_rng_state() if self.cpu is not None else None
+        now_cpu = torch.get_rng_state()
         now_cuda = torch.cuda.get_rng_state_all() if self.cuda is not None else None
         now_tracker = self.tracker.get_states() if self.tracker is not None else None
         try:
-            if self.cpu is not None:
-                torch.set_rng_state(self.cpu)
+            torch.set_rng_state(self.cpu)
             if self.cuda is not None:
                 torch.cuda.set_rng_state_all(self.cuda)
             if self.tracker is not None:
                 self.tracker.set_states(self.tracker_states)
             yield
         finally:
-            if now_cpu is not None:
-                torch.set_rng_state(now_cpu)
+            torch.set_rng_state(now_cpu)
             if now_cuda is not None:
                 torch.cuda.set_rng_state_all(now_cuda)
             if now_tracker is not None:
@@ -360,11 +357,11 @@ def _autocast_snapshot() -> List[Tuple[str, bool, torch.dtype]]:
 class _CheckpointCall:
     """Everything one checkpoint call carries from phase 1 into its recompute."""
 
-    def __init__(self, function: Callable, tracker, context_fn, torch_generators: bool):
+    def __init__(self, function: Callable, tracker, context_fn):
         self.function = function
         self.frame = _RecomputeFrame()
         self.training = is_training_forward()   # a call nested in a reentrant phase 1 inherits it
-        self.rng = _RngSnapshot(tracker, torch_generators)
+        self.rng = _RngSnapshot(tracker)
         self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()
         self.autocast = _autocast_snapshot()
         user = context_fn() if context_fn is not None else None
@@ -379,15 +376,16 @@ class _CheckpointCall:
                 yield
 
     @contextlib.contextmanager
-    def recompute(self, torch_state: bool):
-        """The call site's FP8 autocast state, flags and tracker states (and, when
-        ``torch_state``, torch's RNG and autocast state) around a recompute."""
+    def recompute(self):
+        """The call site's FP8 autocast state, flags, RNG states (torch's and the
+        tracker's) and ``torch.autocast`` state around a recompute."""
         saved_fp8 = FP8GlobalStateManager.get_fp8_autocast_state()
         self.frame.start_recompute()
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.rng.replay())
-            if torch_state:
-                for device, enabled, dtype in self.autocast:
+            for device, enabled, dtype in self.autocast:
+                if (torch.is_autocast_enabled(device) != enabled
+                        or torch.get_autocast_dtype(device) != dtype):
                     stack.enter_context(torch.autocast(device_type=device, enabled=enabled,
                                                        dtype=dtype))
             stack.enter_context(_recompute_region(self.frame, recomputing=True,
@@ -455,7 +453,7 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
             flat[pos] = t
             inputs.append(t)
         args, kwargs = _unflatten(tuple(flat), ctx.keys)
-        with call.recompute(torch_state=True), torch.enable_grad():
+        with call.recompute(), torch.enable_grad():
             outputs = call.function(*args, **kwargs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads)
@@ -558,7 +556,7 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant,
                                            **extra, **kwargs)
     if use_reentrant:
-        call = _CheckpointCall(function, tracker, context_fn, torch_generators=True)
+        call = _CheckpointCall(function, tracker, context_fn)
         keys, flat = _flatten(args, kwargs)
         anchor = torch.empty(0, requires_grad=True) if torch.is_grad_enabled() else torch.empty(0)
         distribute = None
@@ -633,7 +631,7 @@ class _NonReentrantCheckpoint:
         def pack(tensor: torch.Tensor) -> None:
             recomputed[len(recomputed)] = tensor.detach()
 
-        with (self.call.recompute(torch_state=True), torch.enable_grad(),
+        with (self.call.recompute(), torch.enable_grad(),
               torch.autograd.graph.saved_tensors_hooks(pack, _unpack_in_recompute)):
             self.call.function(*args, **kwargs)
         if len(recomputed) != self.saved_count:
@@ -653,7 +651,7 @@ def _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs):
     """Phase 1 under saved-tensor hooks that keep nothing; the recompute at the first
     unpack in backward (`_NonReentrantCheckpoint`). Works with ``torch.autograd.grad``
     and ``retain_graph``; runs the whole function (no early stop)."""
-    call = _CheckpointCall(function, tracker, context_fn, torch_generators=True)
+    call = _CheckpointCall(function, tracker, context_fn)
     if not torch.is_grad_enabled():
         with call.phase1(reentrant=False):
             return function(*args, **kwargs)
