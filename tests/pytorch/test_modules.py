@@ -325,6 +325,34 @@ def test_bf16_layernorm_is_float32_rounded_once(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("under_autocast", [False, True], ids=["plain", "autocast"])
+def test_16bit_layernorm_matches_the_float32_path(under_autocast, dtype, device):
+    """A 16-bit LayerNorm (on CUDA one native kernel, NOTE in layernorm.py) gives what the
+    float32 computation on upcast tensors, rounded once, gives: every output and
+    gradient within one ulp of the dtype at the largest magnitude, also when a
+    torch.autocast of that dtype is on (which would otherwise run layer_norm in float32)."""
+    torch.manual_seed(0)
+    m = te.LayerNorm(2048, params_dtype=torch.float32, device=device).to(dtype)
+    randomize_(m)
+    x = (2.0 * torch.randn(128, 2048, device=device) + 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(128, 2048, device=device).to(dtype)
+    with torch.autocast(device, dtype=dtype, enabled=under_autocast):
+        y = m(x)
+    y.backward(dy)
+    assert y.dtype == dtype
+    x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, m.weight, m.bias))
+    ref = torch.nn.functional.layer_norm(x32, (2048,), w32, b32, m.eps)
+    ref.to(dtype).backward(dy)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    assert_close(y, ref.to(dtype), ulp, "y")
+    for got, want, name in ((x.grad, x32.grad, "dx"), (m.weight.grad, w32.grad, "dgamma"),
+                            (m.bias.grad, b32.grad, "dbeta")):
+        assert got.dtype == dtype, name
+        assert_close(got, want.to(dtype), ulp, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("activation", ["gelu", "relu", "silu"])
 def test_one_op_activation_is_float32_rounded_once(activation, dtype, device):
     """The activations `activate` applies to a 16-bit input directly (one torch op) equal

@@ -471,13 +471,24 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
         return (None, None, None, None, *grads_out)
 
 
+# Modules found to contain a TE module. Only True is remembered: a stale True (TE
+# modules removed later) still takes te.checkpoint's own path, which is right for any
+# function, while a stale False would hand FP8 modules to torch.utils.checkpoint.
+_HAS_TE_MODULE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 def _contains_te_module(function) -> Optional[bool]:
     """True/False when ``function`` is (a bound method of) an nn.Module; None if unknown."""
     from .module.base import TransformerEngineBaseModule
     owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
     if not isinstance(owner, torch.nn.Module):
         return None
-    return any(isinstance(m, TransformerEngineBaseModule) for m in owner.modules())
+    if owner in _HAS_TE_MODULE:
+        return True
+    if any(isinstance(m, TransformerEngineBaseModule) for m in owner.modules()):
+        _HAS_TE_MODULE.add(owner)
+        return True
+    return False
 
 
 def _check_checkpoint_args(function, use_reentrant, distribute_saved_activations,

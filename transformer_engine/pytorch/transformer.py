@@ -3,12 +3,15 @@
 
 Pre-norm (the default)::
 
-    a   = residual_a + dropout(SelfAttention(Norm1(x)) + proj_bias)     residual_a = x
-    out = residual_m + dropout(MLP(Norm2(a)) + fc2_bias)                residual_m = a
+    a   = residual_a + dropout(SelfAttention(Norm1(x)))     residual_a = x
+    out = residual_m + dropout(MLP(Norm2(a)))                residual_m = a
 
 With ``apply_residual_connection_post_layernorm`` the residuals are ``Norm1(x)`` and
 ``Norm2(a)``. With ``output_layernorm`` the attention takes ``x`` unnormalized and
-``out`` is normalized at the end (post-norm), as TE does. Every GEMM belongs to a TE
+``out`` is normalized at the end (post-norm), as TE does. The biases of the
+projection and of FC2 are added in their GEMMs (TE returns them for a fused
+bias-dropout-add; here the GEMM's epilogue is that fusion: one launch fewer each, and
+the sum is rounded once). Every GEMM belongs to a TE
 module (``self_attention.layernorm_qkv``, ``self_attention.proj``, ``layernorm_mlp``)
 with its own FP8 scaling state.
 
@@ -93,21 +96,20 @@ class TransformerLayer(torch.nn.Module):
             num_gqa_groups=num_gqa_groups, get_rng_state_tracker=get_rng_state_tracker,
             input_layernorm=not output_layernorm,
             return_layernorm_output=post_ln_residual and not output_layernorm,
-            return_bias=True, qkv_format=attn_input_format, **common)
+            return_bias=False, qkv_format=attn_input_format, **common)
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, layernorm_epsilon, activation=activation,
             init_method=init_method, output_layer_init_method=output_layer_init_method,
-            return_layernorm_output=post_ln_residual, return_bias=True, **common)
+            return_layernorm_output=post_ln_residual, return_bias=False, **common)
         if output_layernorm:
             norm = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm(hidden_size, layernorm_epsilon, params_dtype=params_dtype,
                                   zero_centered_gamma=zero_centered_gamma, device=device)
 
-    def _bias_dropout_add(self, x: torch.Tensor, bias: Optional[torch.Tensor],
-                          residual: torch.Tensor) -> torch.Tensor:
-        if bias is not None:
-            x = x + bias
-        return residual + F.dropout(x, p=self.hidden_dropout, training=self.training)
+    def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.hidden_dropout == 0.0 or not self.training:
+            return residual + x
+        return residual + F.dropout(x, p=self.hidden_dropout, training=True)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 self_attn_mask_type: Optional[str] = None, *,
@@ -131,16 +133,16 @@ class TransformerLayer(torch.nn.Module):
                                    attn_mask_type=self_attn_mask_type,
                                    checkpoint_core_attention=checkpoint_core_attention)
         if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
-            attn_out, attn_bias, residual = attn
+            attn_out, residual = attn
         else:
-            (attn_out, attn_bias), residual = attn, hidden_states
-        hidden = self._bias_dropout_add(attn_out, attn_bias, residual)
+            attn_out, residual = attn, hidden_states
+        hidden = self._dropout_add(attn_out, residual)
         mlp = self.layernorm_mlp(hidden)
         if self.apply_residual_connection_post_layernorm:
-            mlp_out, mlp_bias, residual = mlp
+            mlp_out, residual = mlp
         else:
-            (mlp_out, mlp_bias), residual = mlp, hidden
-        out = self._bias_dropout_add(mlp_out, mlp_bias, residual)
+            mlp_out, residual = mlp, hidden
+        out = self._dropout_add(mlp_out, residual)
         if self.output_layernorm:
             out = self.layernorm(out)
         return out
