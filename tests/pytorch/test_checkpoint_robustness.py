@@ -297,13 +297,16 @@ class DropoutBlock(torch.nn.Module):
             return self.b(self.drop(self.a(h)))
 
 
+@pytest.mark.parametrize("function", ["module", "closure"])
 @pytest.mark.parametrize("nested", [False, True], ids=["one-region", "nested-regions"])
 @pytest.mark.parametrize("switch", ["train-to-eval", "eval-to-train"])
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
-def test_mode_at_phase1_governs(use_reentrant, switch, nested):
+def test_mode_at_phase1_governs(use_reentrant, switch, nested, function):
     """The documented rule: the train/eval mode a module had in phase 1 governs its
     recompute (dropout or not), the FP8 stash is there to take whatever the mode, and
-    the switch made before backward is what the modules have afterwards."""
+    the switch made before backward is what the modules have afterwards. Both ways of
+    recording the modes (NOTE [Module modes]): the module's tree when the checkpointed
+    function is the module, a hook on module calls when it is a closure."""
     first_mode = switch == "train-to-eval"
 
     def run(checkpointed):
@@ -313,11 +316,12 @@ def test_mode_at_phase1_governs(use_reentrant, switch, nested):
         for step in range(2):
             block.train(first_mode)
             x = (torch.randn(16, 32) * 4.0 ** step).requires_grad_()
+            fn = block if function == "module" else (lambda h: block(h))
             if nested:
                 y = maybe_checkpoint(checkpointed, use_reentrant, lambda h: maybe_checkpoint(
-                    checkpointed, use_reentrant, block, h), x)
+                    checkpointed, use_reentrant, fn, h), x)
             else:
-                y = maybe_checkpoint(checkpointed, use_reentrant, block, x)
+                y = maybe_checkpoint(checkpointed, use_reentrant, fn, x)
             block.train(not first_mode)
             loss = y.pow(2).mean()
             loss.backward()

@@ -191,9 +191,9 @@ def _region_sampled_at_entry(monkeypatch):
     real = distributed._recompute_region
 
     @contextlib.contextmanager
-    def sampled(frame, recomputing, training_under_no_grad=None):
+    def sampled(frame, recomputing, training_under_no_grad=None, **kwargs):
         fp8_at_entry = FP8GlobalStateManager.is_fp8_enabled()
-        with real(frame, recomputing, training_under_no_grad):
+        with real(frame, recomputing, training_under_no_grad, **kwargs):
             distributed._in_recompute_region = fp8_at_entry
             yield
 

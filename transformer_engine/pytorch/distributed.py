@@ -114,12 +114,18 @@ class _RecomputeFrame:
     def record_mode(self, module: torch.nn.Module) -> None:
         self.modes.setdefault(id(module), (module, module.training))
 
-    def replay_mode(self, module: torch.nn.Module) -> None:
-        recorded = self.modes.get(id(module))
-        if (recorded is not None and module.training != recorded[1]
-                and id(module) not in self.replaced_modes):
-            self.replaced_modes[id(module)] = (module, module.training)
-            module.training = recorded[1]
+    def record_tree(self, owner: torch.nn.Module) -> None:
+        """Record the training flag of ``owner`` and of every submodule now, at the
+        start of phase 1 (no per-call hook needed: see `_CheckpointCall`)."""
+        for module in owner.modules():
+            self.modes.setdefault(id(module), (module, module.training))
+
+    def replay_modes(self) -> None:
+        """Give every recorded module its phase-1 training flag for the recompute."""
+        for key, (module, training) in self.modes.items():
+            if module.training != training and key not in self.replaced_modes:
+                self.replaced_modes[key] = (module, module.training)
+                module.training = training
 
     def end_recompute(self) -> None:
         """Put back the training flags this recompute changed."""
@@ -202,34 +208,37 @@ def take_recompute_stash(fp8_meta: dict) -> RecomputeStash:
 
 
 def _module_mode_hook(module: torch.nn.Module, args) -> None:
-    """Global forward pre-hook while a checkpoint call runs: the recompute being run
-    sets the module's phase-1 training flag, and recording frames note the flag."""
-    if len(_frames) == 1:       # the common case, on every module call: no generators
+    """Global forward pre-hook while a checkpoint call whose function is not a module
+    runs its phase 1: the recording frames note the module's training flag."""
+    if len(_frames) == 1:       # the common case, on every module call
         frame, recomputing = _frames[0]
-        if recomputing:
-            frame.replay_mode(module)
-        else:
+        if not recomputing:
             frame.record_mode(module)
         return
-    source = next((frame for frame, recomputing in reversed(_frames) if recomputing), None)
-    if source is not None:
-        source.replay_mode(module)
     for frame in _recording_frames():
         frame.record_mode(module)
 
 
+_mode_hook = None   # the handle of `_module_mode_hook` while it is registered
+
+
 @contextlib.contextmanager
-def _recompute_region(frame: _RecomputeFrame, recomputing: bool, training_under_no_grad=None):
+def _recompute_region(frame: _RecomputeFrame, recomputing: bool, training_under_no_grad=None,
+                      record_by_hook: bool = False):
     """Enter a phase of one checkpoint call; restores every flag it changes.
 
     Phase 1 of a region nested inside a recompute is itself part of that recompute,
-    so the phase flag is only ever raised, never lowered, on entry. The outermost
-    entry registers the module-mode hook; its exit removes it.
+    so the phase flag is only ever raised, never lowered, on entry. A phase 1 that
+    records module modes by hook registers the hook unless it is registered already;
+    the entry that registered it removes it on exit.
     """
     global _in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad
+    global _mode_hook
     saved = (_in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad)
-    hook = (torch.nn.modules.module.register_module_forward_pre_hook(_module_mode_hook)
-            if not _frames else None)
+    hook = None
+    if record_by_hook and _mode_hook is None:
+        hook = _mode_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            _module_mode_hook)
     _in_recompute_region = True
     _in_recompute_phase = _in_recompute_phase or recomputing
     _frames = _frames + ((frame, recomputing),)
@@ -241,6 +250,7 @@ def _recompute_region(frame: _RecomputeFrame, recomputing: bool, training_under_
         _in_recompute_region, _in_recompute_phase, _frames, _training_under_no_grad = saved
         if hook is not None:
             hook.remove()
+            _mode_hook = None
 
 
 # ---- RNG ---------------------------------------------------------------------------
@@ -354,24 +364,52 @@ def _autocast_snapshot() -> List[Tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
 
 
+_NO_CONTEXT = contextlib.nullcontext()     # stateless, so one instance serves every call
+
+
+def _module_of(function) -> Optional[torch.nn.Module]:
+    """The module ``function`` is, or is a bound method of; None otherwise."""
+    if isinstance(function, torch.nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
 class _CheckpointCall:
-    """Everything one checkpoint call carries from phase 1 into its recompute."""
+    """Everything one checkpoint call carries from phase 1 into its recompute.
+
+    NOTE [Module modes]: the recompute runs each module in the train/eval mode it had
+    in phase 1. When ``function`` is a module (or a bound method of one), the flags of
+    that module and all its submodules are recorded at the start of phase 1, which
+    costs one walk of the tree instead of a global forward pre-hook that would put
+    every module call of phase 1 on torch's slow hook path; a module outside that
+    tree (held in a plain list or a closure) then keeps its live mode. For any other
+    callable the hook records the flag of each module at its first call. The
+    recompute sets the recorded flags at its start and puts back what it changed at
+    its end, which for a deterministic function is the same as setting each at its
+    first call.
+    """
 
     def __init__(self, function: Callable, tracker, context_fn):
         self.function = function
         self.frame = _RecomputeFrame()
+        owner = _module_of(function)
+        self.record_by_hook = owner is None
+        if owner is not None:
+            self.frame.record_tree(owner)
         self.training = is_training_forward()   # a call nested in a reentrant phase 1 inherits it
         self.rng = _RngSnapshot(tracker)
         self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()
         self.autocast = _autocast_snapshot()
         user = context_fn() if context_fn is not None else None
-        self.user_forward_ctx = user[0] if user is not None else contextlib.nullcontext()
-        self.user_recompute_ctx = user[1] if user is not None else contextlib.nullcontext()
+        self.user_forward_ctx = user[0] if user is not None else _NO_CONTEXT
+        self.user_recompute_ctx = user[1] if user is not None else _NO_CONTEXT
 
     @contextlib.contextmanager
     def phase1(self, reentrant: bool):
         with _recompute_region(self.frame, recomputing=False,
-                               training_under_no_grad=self.training if reentrant else None):
+                               training_under_no_grad=self.training if reentrant else None,
+                               record_by_hook=self.record_by_hook):
             with self.user_forward_ctx:
                 yield
 
@@ -392,6 +430,7 @@ class _CheckpointCall:
                                                   training_under_no_grad=False))
             FP8GlobalStateManager.set_fp8_autocast_state(self.fp8_state)
             try:
+                self.frame.replay_modes()
                 with self.user_recompute_ctx:
                     yield
             finally:
@@ -479,12 +518,12 @@ _HAS_TE_MODULE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 def _contains_te_module(function) -> Optional[bool]:
     """True/False when ``function`` is (a bound method of) an nn.Module; None if unknown."""
-    from .module.base import TransformerEngineBaseModule
-    owner = function if isinstance(function, torch.nn.Module) else getattr(function, "__self__", None)
-    if not isinstance(owner, torch.nn.Module):
+    owner = _module_of(function)
+    if owner is None:
         return None
     if owner in _HAS_TE_MODULE:
         return True
+    from .module.base import TransformerEngineBaseModule
     if any(isinstance(m, TransformerEngineBaseModule) for m in owner.modules()):
         _HAS_TE_MODULE.add(owner)
         return True
@@ -526,7 +565,8 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
     Runs ``function(*args, **kwargs)`` without keeping its activations and re-runs it
     during backward. The recompute replays torch's CPU and CUDA RNG states, the
     tracker's states, the ``torch.autocast`` state and the FP8 autocast state of the
-    call site, and each module's train/eval mode of the first forward; FP8 modules
+    call site, and each module's train/eval mode of the first forward (NOTE [Module
+    modes]: of the submodules, when ``function`` is a module); FP8 modules
     recompute with the scales their first forward used (NOTE [Recompute stashes]);
     an FP8 autocast opened inside ``function`` counts.
     With and without checkpointing a training run gives identical results, provided
