@@ -2,8 +2,8 @@
 
     python3 benchmarks/summarize.py [--card NVIDIA_H200]
 
-Reads ``benchmarks/results/bench_linear_<card>.json`` and
-``bench_checkpoint_<card>.json`` (written by the two benchmark scripts) and prints
+Reads ``benchmarks/results/bench_linear_<card>.json``, ``bench_checkpoint_<card>.json``
+and ``bench_checkpoint_batch4_<card>.json`` (written by the two benchmark scripts) and prints
 each table with the run it came from, so that the README quotes the JSON exactly.
 Runs anywhere (no GPU needed).
 """
@@ -91,7 +91,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--card", default="NVIDIA_H200")
     args = p.parse_args(argv)
-    for name, fn in (("bench_linear", linear_tables), ("bench_checkpoint", checkpoint_table)):
+    for name, fn in (("bench_linear", linear_tables), ("bench_checkpoint", checkpoint_table),
+                     ("bench_checkpoint_batch4", checkpoint_table)):
         path = os.path.join(_RESULTS, f"{name}_{args.card}.json")
         if os.path.exists(path):
             with open(path) as f:
