@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import quantize
-from utils import DEVICES
+from utils import DEVICES, cuda_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Hopper's FP8 tensor cores accumulate with about 14 mantissa bits (DeepSeek-V3 report,
@@ -57,17 +57,41 @@ def test_current_scale_edge_cases():
     assert s[4].item() == torch.finfo(torch.float32).max
 
 
-@pytest.mark.parametrize("device", DEVICES)
+GEMM_PATHS = [pytest.param("cpu", "upcast", id="cpu-upcast"),
+              pytest.param("cpu", "scaled_mm", id="cpu-scaled_mm"),
+              pytest.param("cuda", "scaled_mm", id="cuda", marks=cuda_fp8)]
+OPERAND_PAIRS = [pytest.param(E4M3, E4M3, id="e4m3xe4m3"), pytest.param(E4M3, E5M2, id="e4m3xe5m2"),
+                 pytest.param(E5M2, E4M3, id="e5m2xe4m3")]
+
+
+@pytest.mark.parametrize("device, cpu_gemm", GEMM_PATHS)
+@pytest.mark.parametrize("a_dtype, b_dtype", OPERAND_PAIRS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_fp8_gemm_matches_float64_on_dequantized_operands(device, out_dtype):
-    a = quantize.cast_to_fp8(torch.randn(32, 64, device=device), torch.tensor([3.0], device=device), E4M3)
-    b = quantize.cast_to_fp8(torch.randn(48, 64, device=device), torch.tensor([0.5], device=device), E5M2)
+def test_fp8_gemm_matches_float64_on_dequantized_operands(device, cpu_gemm, a_dtype, b_dtype,
+                                                         out_dtype, monkeypatch):
+    monkeypatch.setattr(quantize, "_cpu_gemm", cpu_gemm)
+    a = quantize.cast_to_fp8(torch.randn(32, 64, device=device), torch.tensor([3.0], device=device),
+                             a_dtype)
+    b = quantize.cast_to_fp8(torch.randn(48, 64, device=device), torch.tensor([0.5], device=device),
+                             b_dtype)
     bias = torch.randn(48, device=device)
     y = quantize.fp8_gemm(a, b, out_dtype, bias=bias)
     ref = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t() + bias.to(out_dtype).double()
     assert y.dtype == out_dtype and y.shape == (32, 48)
-    tol = 2 ** -8 if out_dtype == torch.bfloat16 else (1e-5 if device == "cpu" else CUDA_FP8_ACCUM_REL)
+    # float32 accumulation of exact products: a few float32 ulps of the largest term on CPU
+    tol = 2 ** -8 if out_dtype == torch.bfloat16 else (1e-6 if device == "cpu" else CUDA_FP8_ACCUM_REL)
     assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_cpu_upcast_gemm_is_the_exact_product_when_sums_are_exact():
+    """Integer-valued FP8 operands with small sums: every partial sum is exact in float32,
+    so the upcast GEMM must equal the float64 product bit for bit, with each scale_inv
+    applied once (a dropped or doubled scale would show)."""
+    a = quantize.Float8Data(torch.randint(-8, 9, (32, 64)).to(E4M3), torch.tensor([0.25]))
+    b = quantize.Float8Data(torch.randint(-8, 9, (48, 64)).to(E5M2), torch.tensor([8.0]))
+    y = quantize.fp8_gemm(a, b, torch.float32)
+    ref = (a.data.double() @ b.data.double().t()) * 2.0
+    assert torch.equal(y.double(), ref)
 
 
 def test_fp8_gemm_rejects_bad_operands():

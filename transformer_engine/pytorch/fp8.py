@@ -402,24 +402,25 @@ _CPU_FP8_PROBE: Optional[Tuple[bool, str]] = None
 
 
 def _probe_cpu_fp8() -> Tuple[bool, str]:
+    """Run the CPU FP8 GEMM once on a known product (NOTE [CPU FP8 GEMM])."""
     global _CPU_FP8_PROBE
     if _CPU_FP8_PROBE is None:
         try:
-            a = torch.ones(16, 16, dtype=torch.float8_e4m3fn)
-            one = torch.ones((), dtype=torch.float32)
-            out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            one = torch.ones(1, dtype=torch.float32)
+            a = quantize.Float8Data(torch.ones(16, 16, dtype=torch.float8_e4m3fn), one)
+            out = quantize.fp8_gemm(a, a, torch.float32)
             ok = bool(out[0, 0].item() == 16.0)
-            _CPU_FP8_PROBE = (ok, "" if ok else "torch._scaled_mm on CPU gave a wrong result")
+            _CPU_FP8_PROBE = (ok, "" if ok else "the CPU FP8 GEMM gave a wrong result")
         except (RuntimeError, NotImplementedError) as err:
-            _CPU_FP8_PROBE = (False, f"torch._scaled_mm is not available on CPU: {err}")
+            _CPU_FP8_PROBE = (False, f"the CPU FP8 GEMM is not available: {err}")
     return _CPU_FP8_PROBE
 
 
 def is_fp8_available(return_reason: bool = False, device=None):
     """Whether FP8 GEMMs can run on ``device`` (default: CUDA if present, else CPU).
 
-    CUDA needs compute capability 8.9 (Ada) or newer; CPU needs a torch whose
-    ``torch._scaled_mm`` runs there (probed once).
+    CUDA needs compute capability 8.9 (Ada) or newer; the CPU needs torch's FP8
+    dtypes and the CPU FP8 GEMM to run (probed once).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,6 +18,20 @@ NOTE [Fused casts]
     cast kernel; ``NVTE_FUSED_FP8_UPDATE=0`` runs the update as torch ops on
     concatenated buffers. The CPU path never imports Triton.
 
+NOTE [CPU FP8 GEMM]
+    An FP8 x FP8 product is exact in float32 (a 4-bit by 4-bit significand product
+    needs 8 bits), and every E4M3/E5M2 value is exact in float32, so a float32 GEMM
+    on the operands upcast from FP8, scaled by ``scale_inv_a * scale_inv_b``, is a
+    faithful FP8 GEMM with float32 accumulation, as ``torch._scaled_mm`` computes it.
+    On the CPU that is the default (``"upcast"``): ``torch._scaled_mm`` there goes to
+    oneDNN, which on some CPUs (Intel Xeons with AMX) runs E4M3 x E4M3 on a reference
+    kernel about 1,000x slower than float32 (measured: 1.6 s against 1.3 ms for the
+    upcast at 2048x128x384); the upcast was also faster for E4M3 x E5M2 and E5M2 x
+    E4M3 on every shape measured (``benchmarks/bench_cpu_gemm.py``). The choice is a
+    fixed setting, not a timing probe, so that two processes on one machine compute
+    the same bits. ``NVTE_CPU_FP8_GEMM=scaled_mm`` selects ``torch._scaled_mm``
+    instead; both are tested against a float64 reference.
+
 NOTE [GEMM vocabulary]
     For a linear layer ``y = x W^T`` (x: [M, K], W: [N, K], y: [M, N]):
     forward  ``y     = x  @ W^T``  (x, W in the forward FP8 type)
@@ -52,6 +66,10 @@ _fused_enabled: bool = os.environ.get("NVTE_FUSED_FP8_CASTS", "1") == "1"
 _fused_transpose: bool = os.environ.get("NVTE_FUSED_FP8_TRANSPOSE", "1") == "1"
 _fused_update: bool = os.environ.get("NVTE_FUSED_FP8_UPDATE", "1") == "1"
 _kernels_module = None      # triton_kernels once loaded; False when Triton is missing
+CPU_GEMM_KINDS = ("upcast", "scaled_mm")
+_cpu_gemm: str = os.environ.get("NVTE_CPU_FP8_GEMM", "upcast")   # NOTE [CPU FP8 GEMM]
+if _cpu_gemm not in CPU_GEMM_KINDS:
+    raise ValueError(f"NVTE_CPU_FP8_GEMM must be one of {CPU_GEMM_KINDS}, got {_cpu_gemm!r}")
 
 
 def fused_kernels_enabled() -> bool:
@@ -239,7 +257,8 @@ def fp8_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
     """``a @ b^T`` for FP8 operands ``a: [M, K]`` and ``b: [N, K]`` (both row-major),
     dequantized by their ``scale_inv``, accumulated in float32, written in ``out_dtype``.
 
-    Runs ``torch._scaled_mm`` on CPU and CUDA alike.
+    Runs ``torch._scaled_mm`` on CUDA; on the CPU, a float32 GEMM on the upcast
+    operands, which computes the same exact products (NOTE [CPU FP8 GEMM]).
     """
     ad, bd = a.data, b.data
     if ad.dim() != 2 or bd.dim() != 2:
@@ -266,6 +285,8 @@ def _gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
           bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
     """`fp8_gemm` without its checks, for operands the modules' own casts made
     (contiguous, FP8, shapes checked by `check_gemm_shape` at the module's entry)."""
+    if not a.data.is_cuda and _cpu_gemm == "upcast":
+        return _upcast_gemm(a, b, out_dtype, bias)
     # cuBLASLt takes a bias only for 16-bit outputs; a float32 output adds it after.
     fused_bias = None
     if bias is not None and out_dtype != torch.float32:
@@ -275,6 +296,17 @@ def _gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
     if bias is not None and fused_bias is None:
         out += bias.to(out_dtype)
     return out
+
+
+def _upcast_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
+                 bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``a @ b^T`` as a float32 GEMM on the upcast FP8 operands (exact products, float32
+    accumulation), scaled, the bias added in float32, rounded once to ``out_dtype``."""
+    out = torch.mm(a.data.to(torch.float32), b.data.to(torch.float32).t())
+    out.mul_(a.scale_inv * b.scale_inv)
+    if bias is not None:
+        out.add_(bias)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 # ---- delayed scaling: the formulas, on concatenated buffers ----------------------
