@@ -50,7 +50,7 @@ import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
 from common import environment, table, write_json  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
-from transformer_engine.pytorch import fp8 as fp8_module  # noqa: E402
+from transformer_engine.pytorch import amax_update as update_module  # noqa: E402
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: E402
 
 _HOOKS = ("copy_forward_fp8_meta_tensors_for_recompute",
@@ -59,18 +59,18 @@ _HOOKS = ("copy_forward_fp8_meta_tensors_for_recompute",
 
 @contextlib.contextmanager
 def no_fp8_recompute_bookkeeping():
-    """Replace the three recompute hooks by no-ops that keep only the backward-update
+    """Replace the three recompute hooks by no-ops that keep only the autocast
     session (so the backward still updates scales): no stash snapshots (so nothing to
     copy at the update), no frame lookups, no swap. For timing only: the recompute then
     uses the live scales."""
     saved = {name: FP8GlobalStateManager.__dict__[name] for name in _HOOKS}
 
-    def copy(cls, fp8_meta, bwd_session=None):
-        fp8_meta["_bench_bwd_session"] = bwd_session
+    def copy(cls, fp8_meta, session=None):
+        fp8_meta["_bench_session"] = session
 
     def get_old(cls, fp8_meta):
         return types.SimpleNamespace(scaling_fwd=fp8_meta["scaling_fwd"],
-                                     bwd_session=fp8_meta.get("_bench_bwd_session"))
+                                     session=fp8_meta.get("_bench_session"))
 
     def restore(cls, fp8_meta):
         pass
@@ -90,7 +90,7 @@ def timed_fp8_recompute_bookkeeping(seconds: list):
     ``seconds[0]`` accumulates. Bounds the bookkeeping's step-time cost from above
     (with its GPU kernels) without depending on step-to-step noise."""
     saved = {name: FP8GlobalStateManager.__dict__[name] for name in _HOOKS}
-    saved_copy = fp8_module.copy_before_write
+    saved_copy = update_module.copy_before_write
 
     def timed(fn):
         def wrapper(*args, **kwargs):
@@ -102,13 +102,13 @@ def timed_fp8_recompute_bookkeeping(seconds: list):
         return wrapper
     for name, method in saved.items():
         setattr(FP8GlobalStateManager, name, classmethod(timed(method.__func__)))
-    fp8_module.copy_before_write = timed(saved_copy)
+    update_module.copy_before_write = timed(saved_copy)
     try:
         yield
     finally:
         for name, method in saved.items():
             setattr(FP8GlobalStateManager, name, method)
-        fp8_module.copy_before_write = saved_copy
+        update_module.copy_before_write = saved_copy
 
 
 def bookkeeping_host_ms(step, steps: int = 10) -> float:

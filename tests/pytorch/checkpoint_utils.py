@@ -1,7 +1,8 @@
-"""Helpers shared by the checkpoint robustness tests (issue 4): the global state they
+"""Helpers shared by the checkpoint robustness tests: the global state they
 check, bitwise run comparison, and small te.Linear stacks."""
 
 import gc
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import distributed
-from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, _AutocastState
+from transformer_engine.pytorch import global_state as te_global_state
+from transformer_engine.pytorch.fp8 import _AutocastState
 from utils import assert_states_equal, assert_tensors_equal, fp8_state_snapshot
 
 REENTRANT = [pytest.param(True, id="reentrant"), pytest.param(False, id="non-reentrant")]
@@ -17,16 +19,27 @@ RECIPE = DelayedScaling(amax_history_len=4)
 STASH_KEY = "global_fp8_buffer_pos_fwd_recompute"
 
 
-def global_state():
-    """Every piece of FP8 autocast / recompute global state (compare with ==; the
-    autocast state object is compared by identity too where it matters). Frames are
-    named by id, so that a record of this state keeps no frame alive."""
-    return (distributed._in_recompute_region, distributed._in_recompute_phase,
-            tuple((id(f), r) for f, r in distributed._frames),
-            distributed._training_under_no_grad, FP8GlobalStateManager.get_fp8_autocast_state())
+class StateRecord(NamedTuple):
+    """This thread's FP8 autocast / recompute state, frames named by id (so that a
+    record keeps no frame alive). Compare with ==; compare ``autocast`` by identity
+    too where it matters."""
+
+    region: bool
+    phase: bool
+    frames: tuple
+    training_under_no_grad: bool
+    autocast: _AutocastState
+    mode_hook_users: int
 
 
-CLEAN = (False, False, (), False, _AutocastState())
+def global_state() -> StateRecord:
+    s = te_global_state.snapshot()
+    return StateRecord(s.recompute.region, s.recompute.phase,
+                       tuple((id(f), r) for f, r in s.recompute.frames),
+                       s.recompute.training_under_no_grad, s.autocast, s.mode_hook_users)
+
+
+CLEAN = StateRecord(False, False, (), False, _AutocastState(), 0)
 
 
 def stash_count():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch import distributed
+from transformer_engine.pytorch import distributed, recompute
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, RecomputeStateError
 from checkpoint_utils import (CLEAN, RECIPE, REENTRANT, STASH_KEY, assert_runs_equal, capture,
                               fwd_scale, global_state, linears, maybe_checkpoint, params,
@@ -495,7 +495,7 @@ def test_stash_is_copied_once_by_the_update_not_by_the_forward(use_reentrant, mo
     with te.autocast(recipe=RECIPE):
         y = te.checkpoint(fn, x, use_reentrant=use_reentrant)
         clones_in_phase1 = len(clones)
-        frames = list(distributed._LIVE_FRAMES)
+        frames = recompute.live_frames()
         entries = [e for f in frames for es in f.stashes.values() for e in es]
         assert len(entries) == 3
         assert all(e.scaling_fwd is s for e, s in zip(entries, live_states))   # no copy yet

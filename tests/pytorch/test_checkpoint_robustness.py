@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch import distributed
+from transformer_engine.pytorch import recompute
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 from checkpoint_utils import (CLEAN, RECIPE, REENTRANT, STASH_KEY, assert_runs_equal, capture,
                               fwd_scale, global_state, linears, maybe_checkpoint, params,
@@ -90,7 +90,7 @@ def test_nested_depth_3(use_reentrant, depth):
     # Every exit (nested and outermost) put back exactly what it found.
     assert len(log.exits) == 3 * (1 + 2 + 3)      # outermost + levels 1 and 2
     for before, after in log.exits:
-        assert before == after and before[4] is after[4]
+        assert before == after and before.autocast is after.autocast
     # Level 3's live scale moved between its first forward and its recomputes.
     for step in range(3):
         assert not torch.equal(log.scale3[4 * step], log.scale3[4 * step + 1]), f"step {step}"
@@ -200,8 +200,8 @@ def test_exception_inside_enclosing_region_restores_its_state(use_reentrant):
                 maybe_checkpoint(checkpointed, use_reentrant, inner, h)
             except Boom:
                 after = global_state()
-                seen.append(before == after and before[4] is after[4] and
-                            (not checkpointed or before[0]))
+                seen.append(before == after and before.autocast is after.autocast and
+                            (not checkpointed or before.region))
             return torch.relu(h)
 
         x = torch.randn(16, 32, requires_grad=True)
@@ -243,11 +243,11 @@ def test_thousand_dropped_forwards_leave_nothing(use_reentrant, mode):
                 maybe_checkpoint(checkpointed, use_reentrant, fn, x.requires_grad_())
 
         probe(0)                                          # warm-up (lazy allocations)
-        baseline = (stash_count(), len(distributed._LIVE_FRAMES), _live_tensor_count(),
+        baseline = (stash_count(), len(recompute.live_frames()), _live_tensor_count(),
                     sorted(layer.fp8_meta))
         for i in range(1, probes):
             probe(i)
-        after = (stash_count(), len(distributed._LIVE_FRAMES), _live_tensor_count(),
+        after = (stash_count(), len(recompute.live_frames()), _live_tensor_count(),
                  sorted(layer.fp8_meta))
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(5)).requires_grad_()
         y = maybe_checkpoint(checkpointed, use_reentrant, fn, x)
@@ -267,7 +267,7 @@ def test_thousand_dropped_forwards_leave_nothing(use_reentrant, mode):
         ref = run(False, 1000)[3]          # they update scales, exactly as un-checkpointed
         assert not torch.equal(ref["states"][0].scale, torch.ones(2))
     assert_runs_equal([ref], [got])
-    assert stash_count() == 0 and len(distributed._LIVE_FRAMES) == 0
+    assert stash_count() == 0 and len(recompute.live_frames()) == 0
 
 
 # ---- 4. train/eval switches between phase 1 and backward --------------------------------

@@ -6,13 +6,14 @@ three-step training run with checkpointing against the same run without it, bit 
 """
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch import distributed
+from transformer_engine.pytorch import distributed, recompute
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, RecomputeStateError
 from utils import DEVICES, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
 
@@ -188,16 +189,20 @@ def test_invariance(use_reentrant, placement, recipe, device):
 @contextlib.contextmanager
 def _region_sampled_at_entry(monkeypatch):
     """Make the region flag what it was before the seed: 'FP8 enabled at checkpoint entry'."""
-    real = distributed._recompute_region
+    real = recompute.enter
 
     @contextlib.contextmanager
-    def sampled(frame, recomputing, training_under_no_grad=None, **kwargs):
+    def sampled(frame, recomputing, training_under_no_grad=None):
         fp8_at_entry = FP8GlobalStateManager.is_fp8_enabled()
-        with real(frame, recomputing, training_under_no_grad, **kwargs):
-            distributed._in_recompute_region = fp8_at_entry
-            yield
+        with real(frame, recomputing, training_under_no_grad):
+            entered = recompute.position()
+            recompute._THREAD.position = dataclasses.replace(entered, region=fp8_at_entry)
+            try:
+                yield
+            finally:
+                recompute._THREAD.position = entered
 
-    monkeypatch.setattr(distributed, "_recompute_region", sampled)
+    monkeypatch.setattr(recompute, "enter", sampled)
     yield
 
 

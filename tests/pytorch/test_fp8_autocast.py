@@ -179,14 +179,13 @@ def test_exception_inside_autocast_restores_state_and_drops_amaxes():
     assert state.scale.eq(1).all() and state.amax_history.eq(0).all()
 
 
-def test_first_module_claim_and_queries():
-    g = None
-    with te.fp8_autocast(fp8_recipe=DelayedScaling(margin=1), fp8_group=g):
+def test_autocast_queries():
+    with te.fp8_autocast(fp8_recipe=DelayedScaling(margin=1), fp8_group=None):
         assert FP8GlobalStateManager.get_fp8_recipe().margin == 1
         assert FP8GlobalStateManager.get_fp8_group() is None
-        assert FP8GlobalStateManager.is_first_fp8_module() is True
-        assert FP8GlobalStateManager.is_first_fp8_module() is False
-    assert FP8GlobalStateManager.is_first_fp8_module() is False   # outside any autocast
+        assert FP8GlobalStateManager.get_autocast_depth() == 1
+        assert FP8GlobalStateManager.current_session() is not None
+    assert FP8GlobalStateManager.current_session() is None   # outside any autocast
 
 
 def test_calibration_records_amax_but_computes_in_high_precision():

@@ -52,7 +52,8 @@ import torch
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
     "current_scale", "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
-    "roll_amax_history", "delayed_scaling_update", "delayed_scaling_update_",
+    "roll_amax_history", "sanitize_live_amax", "check_computed_scale", "delayed_scaling_update",
+    "delayed_scaling_update_",
     "use_fused_kernels", "fused_kernels_enabled",
 ]
 
@@ -343,23 +344,50 @@ def roll_amax_history(history: torch.Tensor) -> torch.Tensor:
     return rolled
 
 
+def sanitize_live_amax(history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``history [L, n]`` with non-finite live amaxes (row 0) replaced by 0, and the
+    mask of the finite ones (NOTE [Non-finite amaxes] in amax_update.py)."""
+    finite = torch.isfinite(history[0])
+    clean = torch.cat((torch.where(finite, history[0], 0.0).unsqueeze(0), history[1:]))
+    return clean, finite
+
+
+def check_computed_scale(new_scale, scale: torch.Tensor) -> torch.Tensor:
+    """The result of a recipe's ``scaling_factor_compute_algo``, checked: a float
+    tensor shaped like ``scale`` with finite, positive values, as float32."""
+    name = "DelayedScaling.scaling_factor_compute_algo"
+    if not isinstance(new_scale, torch.Tensor) or new_scale.shape != scale.shape:
+        raise ValueError(f"{name} must return a tensor of shape {tuple(scale.shape)}, got "
+                         f"{getattr(new_scale, 'shape', type(new_scale).__name__)}")
+    if not new_scale.is_floating_point():
+        raise ValueError(f"{name} must return a floating-point tensor, got {new_scale.dtype}")
+    new_scale = new_scale.to(torch.float32)
+    if not bool(((new_scale > 0) & torch.isfinite(new_scale)).all()):
+        raise ValueError(f"{name} returned a scale that is not finite and positive: "
+                         f"{new_scale.tolist()}")
+    return new_scale
+
+
 def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, max_value: float,
                            margin: int, algo) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The delayed-scaling update of ``n`` tensors at once, as new tensors: ``(new_scale,
     new_scale_inv, new_history)`` from ``history [L, n]`` and ``scale [n]`` (amax from
-    the history by ``algo``, scale from amax, ``1 / scale``, history rolled). These are
-    the reference formulas; `delayed_scaling_update_` applies them in place."""
+    the history by ``algo``, scale from amax, ``1 / scale``, history rolled). A
+    non-finite live amax keeps its scale and enters the history as 0. These are the
+    reference formulas; `delayed_scaling_update_` applies them in place."""
+    history, finite = sanitize_live_amax(history)
     amax_value = amax_from_history(history, algo)
-    new_scale = scale_from_amax(amax_value, scale, max_value, margin)
+    new_scale = torch.where(finite, scale_from_amax(amax_value, scale, max_value, margin), scale)
     return new_scale, torch.reciprocal(new_scale), roll_amax_history(history)
 
 
 def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                             scale_invs: Sequence[torch.Tensor], max_value: float, margin: int,
-                            algo) -> None:
+                            algo, non_finite: Optional[torch.Tensor] = None) -> None:
     """Update many delayed-scaling states in place: for each ``i``, ``scales[i]``,
     ``scale_invs[i]`` (``[n_i]``) and ``histories[i]`` (``[L, n_i]``, one ``L``) get
-    the values of `delayed_scaling_update`.
+    the values of `delayed_scaling_update`; the number of non-finite live amaxes is
+    added to ``non_finite`` (a one-element int32 tensor on their device) if given.
 
     On CUDA with Triton and ``algo`` "max" or "most_recent" this is one launch for all
     states (NOTE [Fused casts]); otherwise the formulas run once on the concatenated
@@ -367,11 +395,15 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
     """
     kernels = _fused_kernels(histories[0]) if _fused_update else None
     if (kernels is not None and algo in ("max", "most_recent")
-            and kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo)):
+            and kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo,
+                                        non_finite)):
         return
     sizes = [s.numel() for s in scales]
+    history = torch.cat(list(histories), dim=1)
+    if non_finite is not None:
+        non_finite.add_((~torch.isfinite(history[0])).sum())
     new_scale, new_scale_inv, new_history = delayed_scaling_update(
-        torch.cat(list(histories), dim=1), torch.cat(list(scales)), max_value, margin, algo)
+        history, torch.cat(list(scales)), max_value, margin, algo)
     torch._foreach_copy_(
         list(scales) + list(scale_invs) + list(histories),
         list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes))

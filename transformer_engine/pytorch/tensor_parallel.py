@@ -40,6 +40,7 @@ __all__ = [
     "set_tensor_model_parallel_attributes", "copy_to_tensor_parallel_region",
     "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "TensorParallelConfig", "mark_sequence_parallel",
+    "chunk_numel", "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
 ]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -285,3 +286,34 @@ class TensorParallelConfig:
             return ()
         return (f"parallel_mode={self.parallel_mode!r}", f"tp_size={self.tp_size}",
                 f"sequence_parallel={self.sequence_parallel}")
+
+
+# ---- saved activations split over the group (te.checkpoint's distribute_saved_activations)
+
+def chunk_numel(tensor: torch.Tensor, group) -> int:
+    world = torch.distributed.get_world_size(group)
+    numel = tensor.numel()
+    if numel % world != 0:
+        raise ValueError(f"te.checkpoint: distribute_saved_activations needs the first "
+                         f"tensor argument's numel ({numel}, shape {tuple(tensor.shape)}) "
+                         f"divisible by the tensor-parallel size {world}")
+    return numel // world
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group, new_buffer: bool = False):
+    """This rank's 1/world_size slice of ``tensor`` flattened (a copy of just that
+    slice when ``new_buffer``, so the whole can be freed)."""
+    part = chunk_numel(tensor, group)
+    rank = torch.distributed.get_rank(group)
+    chunk = tensor.detach().reshape(-1)[rank * part:(rank + 1) * part]
+    return chunk.clone() if new_buffer else chunk
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of `split_tensor_into_1d_equal_chunks`: the flattened whole, in rank
+    order. Uses the list form of all_gather, which gloo and NCCL both take."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
+    out = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather(list(out.chunk(world)), tensor.contiguous(), group=group)
+    return out

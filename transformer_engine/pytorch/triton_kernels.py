@@ -110,9 +110,10 @@ if AVAILABLE:
         return tl.where((a > b) | (a != a), a, b)
 
     @triton.jit
-    def _delayed_update_kernel(table_ptr, max_value, margin_factor, L: tl.constexpr,
-                               ALGO_MAX: tl.constexpr, BLOCK_L: tl.constexpr,
-                               BLOCK_N: tl.constexpr, FP32_MAX: tl.constexpr):
+    def _delayed_update_kernel(table_ptr, count_ptr, max_value, margin_factor,
+                               L: tl.constexpr, ALGO_MAX: tl.constexpr, COUNT: tl.constexpr,
+                               BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                               FP32_MAX: tl.constexpr):
         # Program (i, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of state i. Table row
         # i: addresses of its history [L, n], scale [n], scale_inv [n] (contiguous
         # float32), and n.
@@ -123,7 +124,12 @@ if AVAILABLE:
         n = tl.load(row + 3).to(tl.int32)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < n
-        live = tl.load(hist_ptr + cols, mask=cmask, other=0.0)      # row 0
+        raw = tl.load(hist_ptr + cols, mask=cmask, other=0.0)       # row 0
+        # A non-finite live amax keeps its scale and enters the history as 0.
+        finite = tl.abs(raw) <= FP32_MAX                      # NaN fails, inf fails
+        live = tl.where(finite, raw, 0.0)
+        if COUNT:
+            tl.atomic_add(count_ptr, tl.sum((~finite).to(tl.int32), axis=0))
         amax = live
         # Roll in place, rows ascending: new row r - 1 = old row r for r >= 1. Each
         # block is loaded completely (barrier) before any of it is overwritten; the
@@ -146,7 +152,7 @@ if AVAILABLE:
         old = tl.load(scale_ptr + cols, mask=cmask, other=1.0)
         # as the torch formula computes it: reciprocal(amax) * max, then / 2**margin
         new = tl.div_rn(1.0, amax) * max_value * margin_factor
-        ok = (amax > 0) & (amax <= FP32_MAX)       # positive and finite (NaN fails both)
+        ok = finite & (amax > 0) & (amax <= FP32_MAX)   # positive and finite
         new = tl.minimum(tl.where(ok, new, old), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(scale_ptr + cols, new, mask=cmask)
         tl.store(scale_inv_ptr + cols, tl.div_rn(1.0, new), mask=cmask)
@@ -261,13 +267,14 @@ _UPDATE_TABLES_MAX = 256
 
 def delayed_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                     scale_invs: Sequence[torch.Tensor], max_value: float, margin: int,
-                    algo: str) -> bool:
+                    algo: str, non_finite: Optional[torch.Tensor] = None) -> bool:
     """One launch of the delayed-scaling update of many states, in place: for each
     ``i``, from ``histories[i] [L, n_i]`` and ``scales[i] [n_i]`` write the new scale,
     ``1 / scale`` and the rolled history, the values of
-    `quantize.delayed_scaling_update`. Returns False, having done nothing, unless every
-    tensor is a contiguous float32 tensor on the first history's CUDA device, the
-    histories share ``L`` and the shapes agree."""
+    `quantize.delayed_scaling_update`, and add the number of non-finite live amaxes to
+    ``non_finite`` (an int32 scalar tensor) if given. Returns False, having done
+    nothing, unless every tensor is a contiguous float32 tensor on the first history's
+    CUDA device, the histories share ``L`` and the shapes agree."""
     first = histories[0]
     length, device = first.shape[0], first.get_device()
     key, widest = [], 0
@@ -287,10 +294,15 @@ def delayed_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Te
             _UPDATE_TABLES.clear()
         table = torch.tensor(key, dtype=torch.int64, device=first.device)
         _UPDATE_TABLES[key] = table
+    count = non_finite is not None
+    if count and not (non_finite.dtype is torch.int32 and non_finite.numel() == 1
+                      and non_finite.get_device() == device):
+        return False
     algo_max = algo == "max"
-    _launch_update((len(key), -(-widest // _UPDATE_BLOCK_N), 1), 4, (length, algo_max),
-                   table, float(max_value), 2.0 ** -margin, length, algo_max,
-                   _UPDATE_BLOCK_L, _UPDATE_BLOCK_N, _FP32_MAX)
+    spec = (length, algo_max, count, count and _aligned(non_finite))
+    _launch_update((len(key), -(-widest // _UPDATE_BLOCK_N), 1), 4, spec,
+                   table, non_finite if count else table, float(max_value), 2.0 ** -margin,
+                   length, algo_max, count, _UPDATE_BLOCK_L, _UPDATE_BLOCK_N, _FP32_MAX)
     return True
 
 

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from transformer_engine.pytorch import distributed
-from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, _AutocastState
+from transformer_engine.pytorch import global_state as te_global_state
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -91,9 +90,7 @@ def _errors(out_dir) -> str:
 
 def global_state_is_clean() -> bool:
     """What conftest's autouse fixture checks, for a worker process."""
-    return (FP8GlobalStateManager.get_fp8_autocast_state() == _AutocastState()
-            and not distributed._in_recompute_region and not distributed._in_recompute_phase
-            and distributed._frames == () and not distributed._training_under_no_grad)
+    return te_global_state.snapshot() == te_global_state.CLEAN
 
 
 class CollectiveCounter:

@@ -11,8 +11,9 @@ from typing import Any, Optional
 import torch
 
 from ...common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
-from .. import distributed
-from ..fp8 import FP8GlobalStateManager, ScalingState
+from .. import distributed, recompute
+from ..fp8 import FP8GlobalStateManager
+from ..scaling import ScalingState
 
 __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
            "no_autocast"]
@@ -46,14 +47,15 @@ class ForwardPlan:
 
     ``fp8``: GEMMs in FP8. ``recipe``: the recipe in force (FP8 or calibration).
     ``record_amax``: write amaxes into the live history row (training forward, not a
-    recompute). ``bwd_session``: the session whose backward update this call's
-    backward triggers (it is the session's first FP8 module), else None.
+    recompute). ``session``: the autocast session whose backward update this call's
+    backward asks for (a delayed-scaling FP8 training forward, or its recompute), else
+    None (NOTE [Delayed-scaling update order] in amax_update.py).
     """
 
     fp8: bool
     recipe: Optional[Recipe]
     record_amax: bool
-    bwd_session: Any = None
+    session: Any = None
 
     @property
     def delayed(self) -> bool:
@@ -119,17 +121,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if distributed.in_fp8_activation_recompute_phase():
             if fp8 and plan.delayed:
                 entry = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)
-                plan.bwd_session = entry.bwd_session
+                plan.session = entry.session
                 swapped = True
         elif plan.delayed:
-            if distributed.is_training_forward():
+            if recompute.is_training_forward():
                 plan.record_amax = True
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
-                if fp8 and FP8GlobalStateManager.is_first_fp8_module():
-                    plan.bwd_session = FP8GlobalStateManager.current_session()
+                if fp8:
+                    plan.session = FP8GlobalStateManager.current_session()
             if distributed.is_fp8_activation_recompute_enabled():
                 FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
-                    self.fp8_meta, plan.bwd_session)
+                    self.fp8_meta, plan.session)
         try:
             yield plan
         finally:

@@ -3,15 +3,13 @@ enabled ``te.autocast``, each with its own delayed-scaling slots (FC1 is GEMM 0,
 FC2 is GEMM 1: forward slots ``[fc1 input, fc1 weight, fc2 input, fc2 weight]``,
 backward slots ``[fc1 grad_output, fc2 grad_output]``).
 
-The two GEMMs share the module's one `ForwardPlan`, but only FC1's backward (the
-last of the module's backward GEMMs to run) may trigger the session's backward
-update (NOTE [Delayed-scaling update order] in fp8.py): FC2 gets the plan without
-its ``bwd_session``, or the backward state would update twice in one step.
+The two GEMMs share the module's one `ForwardPlan` (so one registration with the
+autocast session, and one backward update per backward pass, NOTE [Delayed-scaling
+update order] in amax_update.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -182,11 +180,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
             fc1_out = fp8_linear(api, self.tp_fc1.column_input(ln_out), self.fc1_weight,
                                  self.fc1_bias, plan, self.fp8_meta, gemm=0)
             act_out = activate(fc1_out, self.activation)
-            fc2_plan = dataclasses.replace(plan, bwd_session=None)
             row = self.tp_fc2.size > 1
             fc2_bias = None if (self.return_bias or row) else self.fc2_bias
             out = self.tp_fc2.row_output(fp8_linear(api, act_out, self.fc2_weight, fc2_bias,
-                                                    fc2_plan, self.fp8_meta, gemm=1))
+                                                    plan, self.fp8_meta, gemm=1))
         if row and not self.return_bias and self.fc2_bias is not None:
             out = out + self.fc2_bias.to(out.dtype)
         return out

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import quantize
-from ..fp8 import FP8GlobalStateManager
+from ..amax_update import count_non_finite, request_backward_update
 from ..tensor_parallel import TensorParallelConfig
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
@@ -45,7 +45,9 @@ def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dt
     if plan.delayed:
         return quantize._cast_transpose(x, state.scale, dtype, index,
                                         state.amax_history if record else None, data, transpose)
-    scale = quantize.current_scale(quantize.amax(x), dtype)
+    amax_value = quantize.amax(x)
+    count_non_finite(amax_value)
+    scale = quantize.current_scale(amax_value, dtype)
     return quantize._cast_transpose(x, scale, dtype, 0, None, data, transpose)
 
 
@@ -101,9 +103,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 # float32 accumulation without a float32 copy of dy
                 dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        if plan.bwd_session is not None:
-            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False,
-                                                                session=plan.bwd_session)
+        if plan.session is not None:
+            request_backward_update(plan.session)
         return dgrad, wgrad, dbias, None, None, None, None
 
 

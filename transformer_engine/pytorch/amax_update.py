@@ -1,0 +1,290 @@
+"""The delayed-scaling update: which modules' states update when, on concatenated
+buffers, with non-finite amaxes kept out of the history.
+
+NOTE [Delayed-scaling update order]
+    A module's forward inside an enabled autocast casts with the *current* scale of
+    its ``fp8_meta["scaling_fwd"]`` and, in a training forward (grad enabled at the
+    call site), records each tensor's amax into the live row (row 0) of its amax
+    history and registers itself with the running `AutocastSession` (one per outermost
+    autocast, per thread). When that outermost autocast exits, every registered
+    module's forward state is updated at once, per (recipe, group): one concatenated
+    buffer, one optional MAX all-reduce, new scales from the history, history rolled.
+    Each FP8 module call carries its session into its autograd context; its backward
+    asks for the session's backward update (`request_backward_update`), which runs
+    once per backward pass, when the pass ends (an autograd final callback), for
+    every session whose modules ran a backward in it, whichever module that was
+    (a frozen first layer does not stop it). Sessions updated in one pass are merged,
+    so a module shared by micro-batches of one pass updates once. The reentrant
+    checkpoint runs its recompute's backward as a nested pass; the requests made there
+    are collected and handed to the enclosing pass (`collect_backward_updates`), so
+    the update runs at the end of the same pass as without checkpointing.
+    The activation recompute records nothing and updates nothing (NOTE [Recompute
+    stashes] in recompute.py).
+
+NOTE [Non-finite amaxes]
+    A NaN or infinite amax (from a NaN or inf in an input, a weight or a gradient)
+    never enters the history: at the update, such a tensor keeps its scale, its live
+    slot enters the history as 0 (no observation), and the event is counted per
+    device (`non_finite_amax_count`); a warning is issued once per process. The next
+    finite amax updates as usual. Current scaling counts non-finite amaxes the same
+    way (its cast then uses scale 1). The counters are device tensors, so counting
+    needs no host synchronization; on CUDA the warning comes at a later update, once a
+    copy of the counter has reached the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+import weakref
+from typing import Any, Dict, Iterable, List, Tuple
+
+import torch
+
+from ..common.recipe import DelayedScaling, Recipe
+from . import quantize
+from .scaling import copy_before_write
+
+__all__ = ["AutocastSession", "update_sessions", "request_backward_update",
+           "collect_backward_updates", "count_non_finite", "non_finite_amax_count",
+           "reset_non_finite_amax_count"]
+
+
+class _UpdateGroup:
+    """Modules of one session that share a recipe and an amax-reduction group."""
+
+    __slots__ = ("recipe", "group", "metas")
+
+    def __init__(self, recipe: DelayedScaling, group):
+        self.recipe = recipe
+        self.group = group
+        self.metas: Dict[int, dict] = {}
+
+
+class AutocastSession:
+    """What one outermost autocast collected: the modules to update, by
+    (recipe, amax-reduction group)."""
+
+    __slots__ = ("groups", "__weakref__")
+
+    def __init__(self):
+        self.groups: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
+
+    def register(self, fp8_meta: dict, recipe: DelayedScaling, group) -> None:
+        key = (recipe, group)
+        found = self.groups.get(key)
+        if found is None:
+            found = self.groups[key] = _UpdateGroup(recipe, group)
+        found.metas.setdefault(id(fp8_meta), fp8_meta)
+
+    def discard_forward_amaxes(self) -> None:
+        """Forget the live forward amaxes of an autocast that raised."""
+        for g in self.groups.values():
+            states = [meta["scaling_fwd"] for meta in g.metas.values()]
+            copy_before_write(states)
+            for state in states:
+                state.amax_history[0].zero_()
+
+
+def update_sessions(sessions: Iterable[AutocastSession], forward: bool) -> None:
+    """Update the forward (or backward) states of the sessions' modules: one update
+    per (recipe, group), each module once even when several sessions hold it."""
+    merged: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
+    for session in sessions:
+        for key, g in session.groups.items():
+            target = merged.get(key)
+            if target is None:
+                merged[key] = target = _UpdateGroup(g.recipe, g.group)
+            target.metas.update(g.metas)
+    for g in merged.values():
+        _update_states(list(g.metas.values()), g.recipe, g.group, forward)
+
+
+def _group_size(group) -> int:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _update_states(metas: List[dict], recipe: DelayedScaling, group, forward: bool) -> None:
+    """One delayed-scaling update of many modules' states, on concatenated buffers."""
+    key = "scaling_fwd" if forward else "scaling_bwd"
+    states = [m[key] for m in metas if m.get(key) is not None]
+    if not states:
+        return
+    copy_before_write(states)       # recompute stashes keep the values they saw
+    if recipe.reduce_amax and _group_size(group) > 1:
+        # one MAX all-reduce of every live row, copied back before the update
+        lives = [s.amax_history[0] for s in states]
+        live = torch.cat(lives)
+        torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch._foreach_copy_(lives, list(live.split([t.numel() for t in lives])))
+    spec = recipe.fp8_format.value
+    max_value = spec.max_fwd if forward else spec.max_bwd
+    counter = _NON_FINITE.counter(states[0].scale.device)
+    histories = [s.amax_history for s in states]
+    scales = [s.scale for s in states]
+    scale_invs = [s.scale_inv for s in states]
+    if recipe.scaling_factor_compute_algo is None:
+        # one launch on CUDA (NOTE [Fused casts] in quantize.py)
+        quantize.delayed_scaling_update_(histories, scales, scale_invs, max_value, recipe.margin,
+                                         recipe.amax_compute_algo, non_finite=counter)
+    else:
+        _custom_update(histories, scales, scale_invs, max_value, recipe, counter)
+    _NON_FINITE.maybe_warn(counter)
+
+
+def _custom_update(histories, scales, scale_invs, max_value: float, recipe: DelayedScaling,
+                   counter: torch.Tensor) -> None:
+    """The update with the recipe's ``scaling_factor_compute_algo``, on the same
+    sanitized history (NOTE [Non-finite amaxes])."""
+    sizes = [s.numel() for s in scales]
+    history, finite = quantize.sanitize_live_amax(torch.cat(histories, dim=1))
+    counter.add_((~finite).sum())
+    scale = torch.cat(scales)
+    amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
+    new_scale = recipe.scaling_factor_compute_algo(
+        amax_value, scale, torch.full_like(scale, max_value), recipe)
+    new_scale = torch.where(finite, quantize.check_computed_scale(new_scale, scale), scale)
+    torch._foreach_copy_(
+        [t for group in (scales, scale_invs, histories) for t in group],
+        list(new_scale.split(sizes)) + list(torch.reciprocal(new_scale).split(sizes))
+        + list(quantize.roll_amax_history(history).split(sizes, dim=1)))
+
+
+# ---- backward updates, once per backward pass ------------------------------------------
+
+_PENDING: Dict[int, "weakref.WeakValueDictionary[int, AutocastSession]"] = {}
+_PENDING_LOCK = threading.Lock()
+
+
+class _Collectors(threading.local):
+    stack: Tuple[Dict[int, AutocastSession], ...] = ()
+
+
+_COLLECTORS = _Collectors()
+
+
+def request_backward_update(session: AutocastSession) -> None:
+    """Ask for ``session``'s backward update at the end of the running backward pass
+    (NOTE [Delayed-scaling update order]); asking again in the same pass is a no-op."""
+    stack = _COLLECTORS.stack
+    if stack:
+        stack[-1].setdefault(id(session), session)
+        return
+    task = torch._C._current_graph_task_id()
+    if task < 0:            # not inside a backward pass: nothing to wait for
+        update_sessions([session], forward=False)
+        return
+    with _PENDING_LOCK:
+        sessions = _PENDING.get(task)
+        first = sessions is None
+        if first:
+            sessions = _PENDING[task] = weakref.WeakValueDictionary()
+        sessions.setdefault(id(session), session)
+    if first:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_run_backward_updates, task))
+
+
+def _run_backward_updates(task: int) -> None:
+    with _PENDING_LOCK:
+        sessions = _PENDING.pop(task, None)
+        # passes that raised never ran their callback; drop what they left, if dead
+        for stale in [t for t, s in _PENDING.items() if len(s) == 0]:
+            del _PENDING[stale]
+    if sessions:
+        update_sessions(list(sessions.values()), forward=False)
+
+
+class collect_backward_updates:
+    """Around a nested backward pass (the reentrant checkpoint's): collect the
+    backward updates asked for inside it and ask for them again, on exit, in the
+    enclosing pass. On an exception nothing is asked for."""
+
+    def __enter__(self) -> None:
+        self.sessions: Dict[int, AutocastSession] = {}
+        self.saved = _COLLECTORS.stack
+        _COLLECTORS.stack = self.saved + (self.sessions,)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _COLLECTORS.stack = self.saved
+        if exc_type is None:
+            for session in self.sessions.values():
+                request_backward_update(session)
+
+
+# ---- non-finite amaxes (NOTE [Non-finite amaxes]) ------------------------------------------
+
+class _NonFiniteCounters:
+    """Per-device counts of non-finite amaxes, and the warn-once logic."""
+
+    def __init__(self):
+        # one counter per (device, thread): threads never add into the same tensor
+        self.counters: Dict[Tuple[torch.device, int], torch.Tensor] = {}
+        self.lock = threading.Lock()
+        self.warned = False
+        self.in_flight: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, Any]] = {}
+
+    def counter(self, device: torch.device) -> torch.Tensor:
+        key = (device, threading.get_ident())
+        found = self.counters.get(key)
+        if found is None:
+            with self.lock:
+                found = self.counters.setdefault(
+                    key, torch.zeros((), dtype=torch.int32, device=device))
+        return found
+
+    def maybe_warn(self, counter: torch.Tensor) -> None:
+        if self.warned:
+            return
+        if counter.device.type != "cuda":
+            if counter.item() > 0:
+                self._warn()
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        # One host copy in flight per counter, read once it has landed: no sync.
+        device = (counter.device, threading.get_ident())
+        flight = self.in_flight.pop(device, None)
+        if flight is None:
+            host = torch.empty((), dtype=torch.int32, pin_memory=True)
+            host.copy_(counter, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.in_flight[device] = (host, event)
+        elif not flight[1].query():
+            self.in_flight[device] = flight
+        elif flight[0].item() > 0:
+            self._warn()
+
+    def _warn(self) -> None:
+        self.warned = True
+        warnings.warn("te.autocast: a NaN or infinite amax was seen (an input, weight or "
+                      "gradient held NaN/inf); the affected FP8 scales were kept for that "
+                      "step and the value kept out of the amax history. "
+                      "FP8GlobalStateManager.get_non_finite_amax_count() counts such events.",
+                      RuntimeWarning, stacklevel=3)
+
+
+_NON_FINITE = _NonFiniteCounters()
+
+
+def count_non_finite(amax_value: torch.Tensor) -> None:
+    """Count the non-finite entries of amaxes current scaling computed at a cast."""
+    counter = _NON_FINITE.counter(amax_value.device)
+    counter.add_((~torch.isfinite(amax_value)).sum())
+    _NON_FINITE.maybe_warn(counter)
+
+
+def non_finite_amax_count() -> int:
+    """Non-finite amaxes seen so far, all devices (reads the device counters)."""
+    return sum(int(c.item()) for c in list(_NON_FINITE.counters.values()))
+
+
+def reset_non_finite_amax_count() -> None:
+    """Zero the counters (the warning stays issued)."""
+    for c in list(_NON_FINITE.counters.values()):
+        c.zero_()

@@ -1,0 +1,312 @@
+"""Where a thread stands in activation recompute, and what each checkpoint call keeps
+for its recompute: the FP8 stashes and the modules' train/eval modes.
+
+This module imports neither fp8.py nor distributed.py: the checkpoint wrapper
+(distributed.py) enters and leaves the phases, the FP8 hooks (fp8.py) stash and take,
+and the modules (module/base.py) ask where they are.
+
+NOTE [Recompute stashes]
+    `checkpoint(fn, *args)` runs ``fn`` once without keeping its activations (phase
+    1) and again during backward (phase 2, the recompute). Between the two an FP8
+    autocast may have updated every scale, so a delayed-scaling module must recompute
+    with the scale its phase-1 forward used.
+
+    Each thread has a `RecomputePosition`: *in a recompute region* (set on entry to
+    either phase, whatever the FP8 state is then), *in the recompute phase*, and the
+    stack of checkpoint calls (frames) it is inside. `enter` replaces it whole and
+    puts back exactly what it found. `is_fp8_activation_recompute_enabled()`
+    (distributed.py) is the region flag AND the *live* FP8 state, so an autocast opened
+    inside the checkpointed function counts.
+
+    One `RecomputeFrame` per checkpoint call holds that call's stashes, keyed by
+    module, in call order; it is owned by the call's autograd graph (the reentrant
+    Function's ctx, or the non-reentrant call's saved-tensor hooks), so a dropped graph
+    drops it and nothing global grows. In phase 1 each delayed-scaling FP8 module
+    appends a `RecomputeStash` (a copy-on-write snapshot of its forward scale, scale_inv
+    and amax history, scaling.py, and the autocast session of the call) to every frame
+    that is recording; in phase 2 it takes its stashes back in call order. A checkpoint
+    nested inside a recompute records the stashes its enclosing recompute hands out,
+    so nested regions see the phase-1 state too. The recompute records no amax,
+    registers nothing for an update: the stash says what phase 1 did.
+
+    Invariance assumes ``fn`` runs the same FP8 modules in both phases (it must not
+    branch on the recompute phase or on live scales).
+
+NOTE [Module modes]
+    The recompute runs every module in the train/eval mode it had in phase 1: a model
+    switched to ``eval()`` between forward and backward still recomputes its dropout
+    masks as phase 1 drew them. While any thread runs a phase 1, a global module
+    forward pre-hook is registered (counted, so threads and nested calls share it);
+    it records each module's ``training`` flag at its first call into the recording
+    frames of the calling thread. The recompute sets the recorded flags at its start
+    and puts back the flags it changed at its end; for a deterministic function that
+    equals setting each flag at the module's first call. The hook puts module calls of
+    phase 1 on torch's general hook path (a few microseconds a call), only while a
+    phase 1 runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from .scaling import ScalingSnapshot, ScalingState
+
+__all__ = ["RecomputeStateError", "RecomputeStash", "RecomputeFrame", "RecomputePosition",
+           "position", "enter", "in_region", "in_phase", "is_training_forward", "stash", "take",
+           "stash_tensor_count", "live_frames", "mode_hook_users", "reset_position"]
+
+
+class RecomputeStateError(RuntimeError):
+    """An activation recompute could not find the FP8 state its forward stashed."""
+
+
+class RecomputeStash(NamedTuple):
+    """What one FP8 module call stashed in phase 1 for its recompute: its forward
+    scaling state as phase 1 saw it (copied on write), and the autocast session the
+    call belonged to (None outside a training forward)."""
+
+    snapshot: ScalingSnapshot
+    session: Any
+
+    @property
+    def scaling_fwd(self) -> ScalingState:
+        return self.snapshot.state
+
+
+_LIVE_FRAMES: "weakref.WeakSet[RecomputeFrame]" = weakref.WeakSet()
+
+
+class RecomputeFrame:
+    """The stashes and module modes of one checkpoint call (NOTE [Recompute stashes])."""
+
+    __slots__ = ("stashes", "metas", "cursor", "modes", "replaced_modes", "__weakref__")
+
+    def __init__(self):
+        self.stashes: Dict[int, List[RecomputeStash]] = {}
+        self.metas: Dict[int, dict] = {}     # keeps each keyed fp8_meta (so its id) alive
+        self.cursor: Dict[int, int] = {}
+        # id(module) -> (module, its training flag at its first phase-1 call)
+        self.modes: Dict[int, Tuple[torch.nn.Module, bool]] = {}
+        # id(module) -> (module, the flag it had before this recompute set it)
+        self.replaced_modes: Dict[int, Tuple[torch.nn.Module, bool]] = {}
+        _LIVE_FRAMES.add(self)
+
+    def add(self, fp8_meta: dict, entry: RecomputeStash) -> int:
+        key = id(fp8_meta)
+        entries = self.stashes.get(key)
+        if entries is None:
+            entries = self.stashes[key] = []
+            self.metas[key] = fp8_meta
+        entries.append(entry)
+        return len(entries) - 1
+
+    def start_recompute(self) -> None:
+        self.cursor = {}
+
+    def take(self, fp8_meta: dict) -> RecomputeStash:
+        key = id(fp8_meta)
+        entries = self.stashes.get(key, [])
+        position_ = self.cursor.get(key, 0)
+        if position_ >= len(entries):
+            raise RecomputeStateError(
+                "te.checkpoint: the recompute ran a delayed-scaling FP8 forward "
+                f"(call #{position_ + 1} of this module in the region) for which the first "
+                f"forward stashed no FP8 state ({len(entries)} stash(es) recorded). The "
+                "checkpointed function must run the same FP8 modules, under the same FP8 "
+                "autocast, in both phases; it must not branch on "
+                "in_fp8_activation_recompute_phase() or on live scales. Refusing to "
+                "recompute with the live (already updated) scales.")
+        self.cursor[key] = position_ + 1
+        return entries[position_]
+
+    def record_mode(self, module: torch.nn.Module) -> None:
+        if id(module) not in self.modes:
+            self.modes[id(module)] = (module, module.training)
+
+    def replay_modes(self) -> None:
+        """Give every recorded module its phase-1 training flag for the recompute."""
+        for key, (module, training) in self.modes.items():
+            if module.training != training and key not in self.replaced_modes:
+                self.replaced_modes[key] = (module, module.training)
+                module.training = training
+
+    def end_recompute(self) -> None:
+        """Put back the training flags this recompute changed."""
+        for module, training in self.replaced_modes.values():
+            module.training = training
+        self.replaced_modes = {}
+
+    def tensor_count(self) -> int:
+        return 3 * sum(len(v) for v in self.stashes.values())
+
+
+@dataclass(frozen=True)
+class RecomputePosition:
+    """Where one thread stands: in a recompute region (either phase), in the
+    recompute phase, the checkpoint calls it is inside (``(frame, recomputing)``,
+    innermost last), and whether a forward under ``no_grad`` still counts as training
+    (the reentrant phase 1 of a call made with grad enabled)."""
+
+    region: bool = False
+    phase: bool = False
+    frames: Tuple[Tuple[RecomputeFrame, bool], ...] = ()
+    training_under_no_grad: bool = False
+
+
+class _ThreadPosition(threading.local):
+    position: RecomputePosition = RecomputePosition()
+
+
+_THREAD = _ThreadPosition()
+
+
+def position() -> RecomputePosition:
+    """This thread's recompute position."""
+    return _THREAD.position
+
+
+def reset_position() -> None:
+    """Back to outside any checkpoint call on this thread (for a test harness after a
+    failure; the checkpoint wrapper itself always restores what it found)."""
+    _THREAD.position = RecomputePosition()
+
+
+def in_region() -> bool:
+    return _THREAD.position.region
+
+
+def in_phase() -> bool:
+    return _THREAD.position.phase
+
+
+def is_training_forward() -> bool:
+    """Whether a forward running now counts as training (records amaxes, updates
+    scales): grad enabled, or the reentrant phase 1 of a call made with grad enabled."""
+    return torch.is_grad_enabled() or _THREAD.position.training_under_no_grad
+
+
+# ---- module modes (NOTE [Module modes]) ---------------------------------------------
+
+_HOOK_LOCK = threading.Lock()
+_hook_users = 0
+_hook_handle = None
+
+
+def _record_module_mode(module: torch.nn.Module, _args) -> None:
+    """Global forward pre-hook: the calling thread's recording frames note the
+    module's training flag."""
+    frames = _THREAD.position.frames
+    if not frames:
+        return
+    if len(frames) == 1:                  # the common case, on every module call
+        frame, recomputing = frames[0]
+        if not recomputing:
+            frame.record_mode(module)
+        return
+    for frame in _recording(frames):
+        frame.record_mode(module)
+
+
+def _acquire_mode_hook() -> None:
+    global _hook_users, _hook_handle
+    with _HOOK_LOCK:
+        if _hook_users == 0:
+            _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                _record_module_mode)
+        _hook_users += 1
+
+
+def _release_mode_hook() -> None:
+    global _hook_users, _hook_handle
+    with _HOOK_LOCK:
+        _hook_users -= 1
+        if _hook_users == 0:
+            _hook_handle.remove()
+            _hook_handle = None
+
+
+def mode_hook_users() -> int:
+    """How many phase-1 runs (all threads) hold the module-mode hook now."""
+    return _hook_users
+
+
+# ---- entering a phase, stashing, taking ------------------------------------------------
+
+@contextlib.contextmanager
+def enter(frame: RecomputeFrame, recomputing: bool,
+          training_under_no_grad: Optional[bool] = None):
+    """Enter a phase of one checkpoint call on this thread; on exit put back exactly
+    the position found. Phase 1 of a region nested inside a recompute is itself part
+    of that recompute, so the phase flag is only ever raised on entry. A phase 1 holds
+    the module-mode hook for its duration."""
+    saved = _THREAD.position
+    _THREAD.position = RecomputePosition(
+        region=True, phase=saved.phase or recomputing,
+        frames=saved.frames + ((frame, recomputing),),
+        training_under_no_grad=(saved.training_under_no_grad if training_under_no_grad is None
+                                else training_under_no_grad))
+    if not recomputing:
+        _acquire_mode_hook()
+    try:
+        yield
+    finally:
+        _THREAD.position = saved
+        if not recomputing:
+            _release_mode_hook()
+
+
+def _recording(frames) -> List[RecomputeFrame]:
+    """Phase-1 frames newer than the innermost recomputing frame."""
+    out = []
+    for frame, recomputing in reversed(frames):
+        if recomputing:
+            break
+        out.append(frame)
+    return out
+
+
+def stash(fp8_meta: dict, entry: RecomputeStash) -> Optional[int]:
+    """Give ``entry`` to every recording frame of this thread; returns its position in
+    the innermost one (None when no frame records)."""
+    frames = _THREAD.position.frames
+    if len(frames) == 1 and not frames[0][1]:      # one phase-1 frame: the common case
+        return frames[0][0].add(fp8_meta, entry)
+    position_ = None
+    for frame in _recording(frames):
+        p = frame.add(fp8_meta, entry)
+        position_ = p if position_ is None else position_
+    return position_
+
+
+def take(fp8_meta: dict) -> RecomputeStash:
+    """The next stash of this module in the call being recomputed; also handed to
+    checkpoint calls nested inside that recompute."""
+    frames = _THREAD.position.frames
+    if len(frames) == 1 and frames[0][1]:          # one recomputing frame: the common case
+        return frames[0][0].take(fp8_meta)
+    source = next((frame for frame, recomputing in reversed(frames) if recomputing), None)
+    if source is None:
+        raise RecomputeStateError("te.checkpoint: an FP8 module asked for its recompute stash "
+                                  "outside any checkpoint recompute")
+    entry = source.take(fp8_meta)
+    for frame in _recording(frames):
+        frame.add(fp8_meta, entry)
+    return entry
+
+
+def stash_tensor_count() -> int:
+    """Tensors held by live recompute stashes, across all checkpoint calls and threads
+    (for tests and leak checks; call ``gc.collect()`` first to drop unreachable graphs)."""
+    return sum(frame.tensor_count() for frame in list(_LIVE_FRAMES))
+
+
+def live_frames() -> List[RecomputeFrame]:
+    """The checkpoint frames alive now, all threads (``gc.collect()`` first to drop
+    unreachable graphs)."""
+    return list(_LIVE_FRAMES)
