@@ -11,6 +11,7 @@ TESTS=(
     tests/pytorch/test_checkpoint_replay.py
     tests/pytorch/test_checkpoint_saved_tensors.py
     tests/pytorch/test_checkpoint_callables.py
+    tests/pytorch/test_threads.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_triton_kernels.py
