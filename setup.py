@@ -8,8 +8,11 @@ from setuptools import find_packages, setup
 version = re.search(r'__version__ = "([^"]+)"',
                     Path("transformer_engine/__init__.py").read_text()).group(1)
 
+# The distribution is named as TE's, so that clients which look TE up by its metadata
+# (importlib.metadata "transformer-engine", as HF Accelerate does) find this package;
+# the version's local label "+pure" says which implementation it is (README).
 setup(
-    name="transformer_engine_pure",
+    name="transformer_engine",
     version=version,
     description="A pure-PyTorch implementation of Transformer Engine's PyTorch FP8 training "
                 "API, with FP8-aware activation checkpointing",
@@ -19,5 +22,6 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here (the GPU machine has 2.11); CI pins torch==2.13.0 itself.
     install_requires=["torch>=2.11"],
-    extras_require={"test": ["pytest>=7", "numpy", "ruff"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest>=7", "numpy", "ruff", "packaging", "accelerate==1.16.0"],
+                    "plot": ["matplotlib"]},
 )

@@ -10,6 +10,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" \
     || return 1 2>/dev/null || exit 1
+# The distribution was once named transformer_engine_pure: drop it (and its build
+# metadata) from a reused venv, else two distributions claim the transformer_engine package.
+if "$VENV/bin/python" -m pip show -q transformer_engine_pure >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip uninstall -q -y transformer_engine_pure || return 1 2>/dev/null || exit 1
+fi
+rm -rf "$ROOT/transformer_engine_pure.egg-info"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c <(echo "torch==2.13.0") \
     -e "$ROOT[$EXTRAS]" || return 1 2>/dev/null || exit 1
 VENV_PY="$VENV/bin/python"

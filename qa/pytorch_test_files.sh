@@ -16,6 +16,8 @@ TESTS=(
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_triton_kernels.py
     tests/pytorch/test_train_gpt.py
+    tests/pytorch/test_package_identity.py
+    tests/pytorch/test_accelerate.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py

@@ -1,1 +1,5 @@
-"""Framework-independent pieces: FP8 recipes."""
+"""Framework-independent pieces: FP8 recipes (``transformer_engine.common.recipe``)."""
+
+from . import recipe
+
+__all__ = ["recipe"]

@@ -3,8 +3,8 @@
 from . import distributed
 from .attention import DotProductAttention, MultiheadAttention
 from .distributed import CudaRNGStatesTracker, checkpoint
-from .fp8 import (FP8GlobalStateManager, autocast, fp8_autocast, get_default_fp8_recipe,
-                  is_fp8_available)
+from .fp8 import (FP8GlobalStateManager, autocast, fp8_autocast, fp8_model_init,
+                  get_default_fp8_recipe, is_fp8_available, quantized_model_init)
 from .module import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,
                      TransformerEngineBaseModule)
 from .transformer import TransformerLayer
@@ -12,6 +12,7 @@ from .transformer import TransformerLayer
 __all__ = [
     "distributed", "checkpoint", "CudaRNGStatesTracker", "FP8GlobalStateManager",
     "autocast", "fp8_autocast", "get_default_fp8_recipe", "is_fp8_available",
+    "quantized_model_init", "fp8_model_init",
     "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
     "DotProductAttention", "MultiheadAttention", "TransformerLayer", "TransformerEngineBaseModule",
 ]

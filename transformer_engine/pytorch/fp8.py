@@ -253,3 +253,65 @@ def is_fp8_available(return_reason: bool = False, device=None):
     else:
         ok, reason = False, f"FP8 GEMMs are not supported on device type {device.type!r}"
     return (ok, reason) if return_reason else ok
+
+
+# ---- support checks and model-init contexts, as TE's clients call them ------------
+
+def check_fp8_support() -> Tuple[bool, str]:
+    """``(available, reason)``: whether FP8 GEMMs run on the default device (CUDA if
+    present, else the CPU), as `is_fp8_available` decides; ``reason`` is empty when
+    they do."""
+    return is_fp8_available(return_reason=True)
+
+
+_NOT_IMPLEMENTED_RECIPES = ("this pure-PyTorch Transformer Engine implements the DelayedScaling "
+                            "and Float8CurrentScaling recipes only")
+
+
+def check_mxfp8_support() -> Tuple[bool, str]:
+    """``(False, reason)``: MXFP8 block scaling (``MXFP8BlockScaling``) is not implemented."""
+    return False, f"MXFP8 block scaling is not implemented: {_NOT_IMPLEMENTED_RECIPES}"
+
+
+def check_fp8_block_scaling_support() -> Tuple[bool, str]:
+    """``(False, reason)``: FP8 block scaling (``Float8BlockScaling``) is not implemented."""
+    return False, f"FP8 block scaling is not implemented: {_NOT_IMPLEMENTED_RECIPES}"
+
+
+def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"{api}: the recipe must be a transformer_engine.common.recipe.Recipe "
+                        f"or None, got {type(recipe).__name__}")
+    if not isinstance(preserve_high_precision_init_val, bool):
+        raise TypeError(f"{api}: preserve_high_precision_init_val must be a bool, "
+                        f"got {preserve_high_precision_init_val!r}")
+    if enabled:
+        raise NotImplementedError(
+            f"{api}(enabled=True): FP8 primary weights (parameters stored only in FP8) are not "
+            "implemented; modules keep high-precision weights and cast them in each FP8 forward")
+    # Disabled: modules are built with high-precision weights, which is all they do here.
+    return contextlib.nullcontext()
+
+
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False):
+    """Context in which TE modules would be built with quantized primary weights.
+
+    ``enabled=False`` is a no-op context (weights stay in high precision, as they always
+    are here). ``enabled=True`` raises NotImplementedError: FP8 primary weights are not
+    implemented. Arguments are checked when called.
+    """
+    return _model_init("te.quantized_model_init", enabled, recipe,
+                       preserve_high_precision_init_val)
+
+
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                   preserve_high_precision_init_val: bool = False):
+    """The older spelling of `quantized_model_init`."""
+    return _model_init("te.fp8_model_init", enabled, recipe, preserve_high_precision_init_val)
+
+
+__all__ += ["check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support",
+            "quantized_model_init", "fp8_model_init"]

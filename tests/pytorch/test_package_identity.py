@@ -1,0 +1,177 @@
+"""The package identity TE's clients read: the distribution's name and version, the
+attributes ``import transformer_engine`` makes reachable, and the names Megatron Core
+and HF Accelerate import from ``transformer_engine.pytorch.fp8``."""
+
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.version import Version
+
+import transformer_engine
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch import fp8
+
+from utils import HAS_CUDA_FP8
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imported_from_source_only() -> bool:
+    """True where the package is not installed but found through PYTHONPATH (the GPU
+    job runs the tests that way), so there is no distribution metadata to read."""
+    try:
+        importlib.metadata.distribution("transformer-engine")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        paths = [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return ROOT in paths
+
+
+needs_install = pytest.mark.skipif(_imported_from_source_only(),
+                                   reason="imported from source through PYTHONPATH, not installed")
+
+
+# ---- version --------------------------------------------------------------------
+
+def test_version_is_pep440_with_the_api_release_and_the_pure_label():
+    v = Version(transformer_engine.__version__)
+    assert str(v) == transformer_engine.__version__       # already in normal form
+    assert v.public == "2.9.0"
+    assert v.local == "pure"
+
+
+@pytest.mark.parametrize("minimum, expected", [("2.9.0", True), ("2.1.0", True), ("1.8.0", True),
+                                               ("2.10.0", False), ("3.0.0", False)],
+                         ids=lambda v: str(v))
+def test_version_compares_as_the_api_release(minimum, expected):
+    # Megatron Core's is_te_min_version: Version(te.__version__) >= Version(minimum)
+    assert (Version(transformer_engine.__version__) >= Version(minimum)) is expected
+
+
+# ---- distribution metadata (HF Accelerate's availability check) -------------------
+
+@needs_install
+@pytest.mark.parametrize("name", ["transformer-engine", "transformer_engine"])
+def test_metadata_found_under_te_distribution_name(name):
+    meta = importlib.metadata.metadata(name)
+    assert meta["Name"].replace("_", "-").lower() == "transformer-engine"
+    assert meta["Version"] == transformer_engine.__version__
+    assert importlib.metadata.version(name) == transformer_engine.__version__
+
+
+@needs_install
+def test_find_spec_and_metadata_agree_as_accelerate_checks():
+    # accelerate.utils.imports._is_package_available("transformer_engine", "transformer-engine")
+    assert importlib.util.find_spec("transformer_engine") is not None
+    importlib.metadata.metadata("transformer-engine")
+
+
+# ---- attribute access after `import transformer_engine` -------------------------
+
+_FRESH_IMPORT = """
+import sys
+import torch
+triton_before = "triton" in sys.modules
+import transformer_engine
+print(transformer_engine.pytorch.Linear.__module__)
+print(transformer_engine.pytorch.fp8.FP8GlobalStateManager.__name__)
+print(transformer_engine.common.recipe.Float8CurrentScaling.__name__)
+from transformer_engine.pytorch import fp8
+print(fp8._CPU_FP8_PROBE is None, fp8.FP8GlobalStateManager.is_fp8_enabled())
+print(("triton" in sys.modules) == triton_before)
+"""
+
+
+def test_import_transformer_engine_reaches_pytorch_and_common_without_side_effects():
+    """In a fresh interpreter (this one has imported the subpackages already)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get(
+        "PYTHONPATH") else []))
+    out = subprocess.run([sys.executable, "-c", _FRESH_IMPORT], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines == ["transformer_engine.pytorch.module.linear", "FP8GlobalStateManager",
+                     "Float8CurrentScaling",
+                     "True", "False",     # the CPU FP8 probe did not run; no autocast on
+                     "True"]              # Triton was not imported (unless torch had)
+
+
+# ---- names Megatron Core and HF Accelerate import from transformer_engine.pytorch.fp8
+
+def test_megatron_module_level_imports():
+    # megatron/core/extensions/transformer_engine.py and tensor_parallel/random.py
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, fp8_autocast
+    assert FP8GlobalStateManager is te.FP8GlobalStateManager
+    assert fp8_autocast is te.fp8_autocast
+    for method in ("is_fp8_enabled", "get_fp8_recipe", "get_fp8_group", "is_first_fp8_module",
+                   "add_fp8_tensors_to_global_buffer", "reduce_and_update_fp8_tensors"):
+        assert callable(getattr(FP8GlobalStateManager, method)), method
+
+
+def test_check_fp8_support_agrees_with_is_fp8_available():
+    ok, reason = fp8.check_fp8_support()
+    assert (ok, reason) == te.is_fp8_available(return_reason=True)
+    if torch.cuda.is_available():
+        assert ok is HAS_CUDA_FP8
+    else:
+        assert ok is True and reason == ""     # the CPU FP8 GEMM runs in the pinned torch
+
+
+@pytest.mark.parametrize("check, what", [(fp8.check_mxfp8_support, "MXFP8 block scaling"),
+                                         (fp8.check_fp8_block_scaling_support,
+                                          "FP8 block scaling")],
+                         ids=["mxfp8", "fp8_block_scaling"])
+def test_unimplemented_recipes_report_false_with_reason(check, what):
+    ok, reason = check()
+    assert ok is False
+    assert reason.startswith(f"{what} is not implemented")
+    assert "DelayedScaling and Float8CurrentScaling" in reason
+
+
+@pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
+def test_model_init_disabled_is_a_no_op(name):
+    ctx = getattr(fp8, name)
+    assert getattr(te, name) is ctx
+    # Megatron inspects these parameters before passing them
+    params = inspect.signature(ctx).parameters
+    assert {"enabled", "recipe", "preserve_high_precision_init_val"} <= set(params)
+    state = fp8.FP8GlobalStateManager.get_fp8_autocast_state()
+    torch.manual_seed(7)
+    with ctx(enabled=False, recipe=DelayedScaling(), preserve_high_precision_init_val=True):
+        inside = te.Linear(16, 32, device="cpu")
+        assert fp8.FP8GlobalStateManager.get_fp8_autocast_state() is state
+    torch.manual_seed(7)
+    plain = te.Linear(16, 32, device="cpu")
+    assert inside.weight.dtype == torch.float32
+    assert torch.equal(inside.weight, plain.weight)
+
+
+@pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(), Float8CurrentScaling()],
+                         ids=["default", "delayed", "current"])
+def test_model_init_enabled_raises_not_implemented(name, recipe):
+    with pytest.raises(NotImplementedError,
+                       match=rf"te\.{name}\(enabled=True\): FP8 primary weights .* not implemented"):
+        getattr(fp8, name)(enabled=True, recipe=recipe)
+    with pytest.raises(NotImplementedError, match=rf"te\.{name}\(enabled=True\)"):
+        getattr(fp8, name)()          # TE's default is enabled=True
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"enabled": 1}, r"enabled must be a bool, got 1"),
+    ({"enabled": False, "recipe": "delayed"}, r"the recipe must be a .*Recipe or None, got str"),
+    ({"enabled": False, "preserve_high_precision_init_val": None},
+     r"preserve_high_precision_init_val must be a bool, got None"),
+], ids=["enabled", "recipe", "preserve"])
+def test_model_init_checks_arguments(kwargs, match):
+    with pytest.raises(TypeError, match=r"te\.quantized_model_init: " + match):
+        fp8.quantized_model_init(**kwargs)
