@@ -112,7 +112,7 @@ def test_megatron_module_level_imports():
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, fp8_autocast
     assert FP8GlobalStateManager is te.FP8GlobalStateManager
     assert fp8_autocast is te.fp8_autocast
-    for method in ("is_fp8_enabled", "get_fp8_recipe", "get_fp8_group", "is_first_fp8_module",
+    for method in ("is_fp8_enabled", "get_fp8_recipe", "get_fp8_group",
                    "add_fp8_tensors_to_global_buffer", "reduce_and_update_fp8_tensors"):
         assert callable(getattr(FP8GlobalStateManager, method)), method
 
