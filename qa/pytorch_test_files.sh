@@ -12,6 +12,10 @@ TESTS=(
     tests/pytorch/test_checkpoint_saved_tensors.py
     tests/pytorch/test_checkpoint_callables.py
     tests/pytorch/test_threads.py
+    tests/pytorch/test_backward_update.py
+    tests/pytorch/test_non_finite_amax.py
+    tests/pytorch/test_recompute_edges.py
+    tests/pytorch/test_module_copies.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_triton_kernels.py

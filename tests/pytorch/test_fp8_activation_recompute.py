@@ -74,33 +74,64 @@ def test_fully_non_fp8(use_reentrant):
     assert distributed.recompute_stash_count() == 0
 
 
+def _two_layer_run(fn_of, checkpointed, use_reentrant, steps=2):
+    """Train ``fn_of(plain, fp8)`` (a region over two te.Linear) ``steps`` steps, with or
+    without checkpointing; returns the per-step record and how often the region ran."""
+    torch.manual_seed(0)
+    plain, fp8 = te.Linear(32, 32, device="cpu"), te.Linear(32, 16, device="cpu")
+    fn, calls = fn_of(plain, fp8)
+    record = []
+    for step in range(steps):
+        x = (torch.randn(16, 32) * 3.0 ** step).requires_grad_()
+        y = te.checkpoint(fn, x, use_reentrant=use_reentrant) if checkpointed else fn(x)
+        loss = y.pow(2).sum()
+        loss.backward()
+        record.append({"loss": loss.detach().clone(), "x_grad": x.grad.clone(),
+                       "grads": [p.grad.clone() for p in (*plain.parameters(), *fp8.parameters())],
+                       "states": fp8_state_snapshot([plain, fp8])})
+        for p in (*plain.parameters(), *fp8.parameters()):
+            p.grad = None
+    return record, calls[0], (plain, fp8)
+
+
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_mixed_fp8_and_non_fp8(use_reentrant):
-    plain, fp8 = te.Linear(32, 32, device="cpu"), te.Linear(32, 16, device="cpu")
+    def fn_of(plain, fp8):
+        calls = [0]
 
-    def fn(x):
-        h = torch.relu(plain(x))
-        with te.autocast(recipe=DelayedScaling()):
-            return fp8(h)
+        def fn(x):
+            calls[0] += 1
+            h = torch.relu(plain(x))
+            with te.autocast(recipe=DelayedScaling()):
+                return fp8(h)
+        return fn, calls
 
-    x = torch.randn(16, 32, requires_grad=True)
-    loss = te.checkpoint(fn, x, use_reentrant=use_reentrant).pow(2).sum()
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(plain.weight.grad).all()
+    ref, ref_calls, _ = _two_layer_run(fn_of, False, use_reentrant)
+    got, calls, (plain, fp8) = _two_layer_run(fn_of, True, use_reentrant)
+    assert ref_calls == 2 and calls == 4                      # the recompute ran
+    _assert_runs_equal(ref, got)
     assert STASH_KEY in fp8.fp8_meta and STASH_KEY not in plain.fp8_meta
+    assert plain.fp8_meta["scaling_fwd"] is None
 
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_current_scaling_stashes_nothing(use_reentrant):
-    layer = te.Linear(32, 32, device="cpu")
+    def fn_of(plain, fp8):
+        calls = [0]
 
-    def fn(x):
-        with te.autocast(recipe=Float8CurrentScaling()):
-            return layer(x)
+        def fn(x):
+            calls[0] += 1
+            with te.autocast(recipe=Float8CurrentScaling()):
+                return fp8(torch.relu(plain(x)))
+        return fn, calls
 
-    x = torch.randn(16, 32, requires_grad=True)
-    te.checkpoint(fn, x, use_reentrant=use_reentrant).sum().backward()
-    assert STASH_KEY not in layer.fp8_meta and torch.isfinite(layer.weight.grad).all()
+    ref, ref_calls, _ = _two_layer_run(fn_of, False, use_reentrant)
+    got, calls, (plain, fp8) = _two_layer_run(fn_of, True, use_reentrant)
+    assert ref_calls == 2 and calls == 4
+    _assert_runs_equal(ref, got)
+    for m in (plain, fp8):
+        assert STASH_KEY not in m.fp8_meta and m.fp8_meta["scaling_fwd"] is None
+    assert distributed.recompute_stash_count() == 0
 
 
 # ---- invariance: with and without checkpointing, bit for bit -----------------------------

@@ -142,8 +142,13 @@ def test_delayed_scaling_update_in_place_bitwise(algo, length, widths, margin, m
     expect = [quantize.delayed_scaling_update(h, s, max_value, margin, algo)
               for h, s in zip(hists, scales)]
     ids = [id(t) for t in hists + scales + scale_invs]
+    counter = torch.zeros((), dtype=torch.int32, device="cuda")
+    non_finite = 0
     for _ in range(2):       # the second call reuses the cached table
-        quantize.delayed_scaling_update_(hists, scales, scale_invs, max_value, margin, algo)
+        non_finite += sum(int((~h[0].isfinite()).sum()) for h in hists)
+        quantize.delayed_scaling_update_(hists, scales, scale_invs, max_value, margin, algo,
+                                         non_finite=counter)
+        assert counter.item() == non_finite       # non-finite live amaxes, counted in-kernel
         for (e_scale, e_inv, e_hist), s, si, h in zip(expect, scales, scale_invs, hists):
             assert torch.equal(s, e_scale) and torch.equal(si, e_inv)
             assert torch.equal(h.nan_to_num(-7.0), e_hist.nan_to_num(-7.0))
@@ -162,11 +167,13 @@ def test_delayed_scaling_update_in_place_reference_path_matches():
     scales = [torch.rand(h.shape[1], device="cuda") + 0.5 for h in hists]
     invs = [torch.empty_like(s) for s in scales]
     ref = [[t.clone() for t in ts] for ts in (hists, scales, invs)]
-    quantize.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max")
+    counts = [torch.zeros((), dtype=torch.int32, device="cuda") for _ in range(2)]
+    quantize.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max", non_finite=counts[0])
     with quantize.use_fused_kernels(False):
-        quantize.delayed_scaling_update_(*ref, 448.0, 0, "max")
+        quantize.delayed_scaling_update_(*ref, 448.0, 0, "max", non_finite=counts[1])
     for a, b in zip(hists + scales + invs, ref[0] + ref[1] + ref[2]):
         assert torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
+    assert counts[0].item() == counts[1].item() == 2       # the two NaN live amaxes
 
 
 @cuda_triton

@@ -25,7 +25,8 @@ NOTE [Non-finite amaxes]
     A NaN or infinite amax (from a NaN or inf in an input, a weight or a gradient)
     never enters the history: at the update, such a tensor keeps its scale, its live
     slot enters the history as 0 (no observation), and the event is counted per
-    device (`non_finite_amax_count`); a warning is issued once per process. The next
+    device (`non_finite_amax_count`); a warning is issued once (again after
+    `reset_non_finite_amax_count`). The next
     finite amax updates as usual. Current scaling counts non-finite amaxes the same
     way (its cast then uses scale 1). The counters are device tensors, so counting
     needs no host synchronization; on CUDA the warning comes at a later update, once a
@@ -285,6 +286,8 @@ def non_finite_amax_count() -> int:
 
 
 def reset_non_finite_amax_count() -> None:
-    """Zero the counters (the warning stays issued)."""
+    """Zero the counters and re-arm the warning."""
     for c in list(_NON_FINITE.counters.values()):
         c.zero_()
+    _NON_FINITE.in_flight.clear()
+    _NON_FINITE.warned = False

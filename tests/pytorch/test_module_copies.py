@@ -1,0 +1,79 @@
+"""Every TE module pickles, deep-copies and ``torch.save``s at any point, including
+after an FP8 ``te.checkpoint`` forward under ``torch.no_grad`` (whose stash left the
+module's scaling state shared with a copy-on-write snapshot), and the copy computes
+exactly what the original does."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling
+
+RECIPE = DelayedScaling(amax_history_len=4)
+
+MODULES = {
+    "Linear": (lambda: te.Linear(32, 32, device="cpu"), (16, 32)),
+    "LayerNorm": (lambda: te.LayerNorm(32, device="cpu"), (16, 32)),
+    "RMSNorm": (lambda: te.RMSNorm(32, device="cpu"), (16, 32)),
+    "LayerNormLinear": (lambda: te.LayerNormLinear(32, 32, device="cpu"), (16, 32)),
+    "LayerNormMLP": (lambda: te.LayerNormMLP(32, 64, device="cpu"), (16, 32)),
+    "MultiheadAttention": (lambda: te.MultiheadAttention(32, 2, attention_dropout=0.0,
+                                                         device="cpu"), (8, 2, 32)),
+    "TransformerLayer": (lambda: te.TransformerLayer(32, 64, 2, hidden_dropout=0.0,
+                                                     attention_dropout=0.0, device="cpu"),
+                         (8, 2, 32)),
+}
+
+COPIES = {
+    "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+    "deepcopy": copy.deepcopy,
+    "torch.save": lambda m: _torch_roundtrip(m),
+}
+
+
+def _torch_roundtrip(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _forward(m, x):
+    with torch.no_grad(), te.autocast(recipe=RECIPE):
+        out = m(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("point", ["fresh", "after-training-step", "after-no-grad-checkpoint"])
+@pytest.mark.parametrize("name", list(MODULES))
+def test_copy_at_any_point(name, point, how):
+    build, shape = MODULES[name]
+    torch.manual_seed(0)
+    m = build()
+    x = torch.randn(*shape)
+    if point == "after-training-step":
+        with te.autocast(recipe=RECIPE):
+            out = m(x.requires_grad_())
+        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+    elif point == "after-no-grad-checkpoint":
+        with torch.no_grad(), te.autocast(recipe=RECIPE):
+            te.checkpoint(m, x, use_reentrant=False)
+    clone = COPIES[how](m)
+    x = x.detach()
+    assert torch.equal(_forward(clone, x), _forward(m, x))
+    pairs = [(u, v) for u, v in zip(m.modules(), clone.modules()) if hasattr(u, "fp8_meta")]
+    assert len(pairs) == sum(hasattr(u, "fp8_meta") for u in clone.modules())
+    for u, v in pairs:
+        for key in ("scaling_fwd", "scaling_bwd"):
+            a, b = u.fp8_meta.get(key), v.fp8_meta.get(key)
+            if a is None:
+                assert b is None
+            else:
+                assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history,
+                                                                     b.amax_history)
+                assert a is not b
