@@ -36,6 +36,7 @@ shapes, medians, command) goes to ``--out`` (default ``benchmarks/results``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -49,6 +50,7 @@ import transformer_engine.pytorch as te  # noqa: E402
 from common import environment, median_ms, table, write_json  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
 from transformer_engine.pytorch import quantize  # noqa: E402
+from transformer_engine.pytorch.kernel_config import get_kernel_config, kernel_config  # noqa: E402
 
 DEFAULT_SHAPES = [(m, k, n) for m in (4096, 8192, 16384) for k in (4096, 8192)
                   for n in (4096, 8192)]
@@ -105,7 +107,6 @@ def nn_step(m, k, n):
 def te_step(m, k, n, variant="default"):
     """``variant``: "default", "jit" (every Triton launch through the JIT) or
     "unfused" (the torch reference casts and update)."""
-    from transformer_engine.pytorch import triton_kernels
     layer = te.Linear(k, n, bias=False, params_dtype=BF16, device="cuda")
     x, dy = _inputs(m, k, n)
     recipe = DelayedScaling()
@@ -118,13 +119,8 @@ def te_step(m, k, n, variant="default"):
         return step, [x, layer.weight]
 
     def step_variant():
-        saved = triton_kernels.direct_launch
-        triton_kernels.direct_launch = variant != "jit"
-        try:
-            with quantize.use_fused_kernels(variant != "unfused"):
-                step()
-        finally:
-            triton_kernels.direct_launch = saved
+        with kernel_config(fused=variant != "unfused", direct_launch=variant != "jit"):
+            step()
     return step_variant, [x, layer.weight]
 
 
@@ -251,13 +247,9 @@ def launch_overhead_us(launches: int = 2000) -> dict:
     scale, hist = torch.ones(1, device="cuda"), torch.zeros(4, 1, device="cuda")
     out = {}
     for name, direct in (("triton_jit", False), ("triton_direct", True)):
-        saved = tk.direct_launch
-        tk.direct_launch = direct
-        try:
+        with kernel_config(direct_launch=direct):
             out[name] = host_wall_us(lambda: tk.cast_transpose(
                 x, scale, E4M3, amax_history=hist, transpose=True), launches)
-        finally:
-            tk.direct_launch = saved
     out["torch_add"] = host_wall_us(lambda: x.add(1), launches)
     out["torch_empty"] = host_wall_us(lambda: torch.empty(64, 64, device="cuda"), launches)
     return out
@@ -299,7 +291,7 @@ def tune_cast(timer) -> list:
             tk._set_tiles(*old)
         rows.append({"config": f"tile {cfg[0]}x{cfg[1]} warps {cfg[2]}", "ms": ms,
                      "GB/s": moved / ms / 1e6})
-    with quantize.use_fused_kernels(False):
+    with kernel_config(fused=False):
         ms = timer(lambda: quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_history=slot,
                                                           transpose=True))
     rows.append({"config": "torch reference ops", "ms": ms, "GB/s": moved / ms / 1e6})
@@ -312,7 +304,7 @@ TE_VARIANTS = {"te_fp8": "default", "te_fp8_jit": "jit", "te_fp8_unfused": "unfu
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
-                   help="comma-separated MxKxN (default: the 12 shapes of issue 6)")
+                   help="comma-separated MxKxN (default: 12 shapes from 4096^3 to 16384x8192x8192)")
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--variants", default="te_fp8,te_fp8_jit,te_fp8_unfused",
                    help=f"te variants to time, of {sorted(TE_VARIANTS)}")
@@ -342,10 +334,9 @@ def main(argv=None):
     from transformer_engine.pytorch import triton_kernels
     result = {"env": env, "shapes": [list(s) for s in args.shapes], "results": [],
               "torchao_error": torchao_error,
-              "fusions": {"casts": quantize.fused_kernels_enabled(),
-                          "in_kernel_transpose": quantize._fused_transpose,
-                          "one_launch_update": quantize._fused_update,
-                          "direct_launch": triton_kernels.direct_launch}}
+              "kernel_config": dataclasses.asdict(get_kernel_config()),
+              "direct_launch_supported": triton_kernels.direct_launch_supported(
+                  env.get("triton"))}
 
     # ---- host side first: no profiler has run yet --------------------------------
     tiny = {}

@@ -10,10 +10,10 @@ from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 @pytest.fixture(autouse=True)
 def global_state_is_clean():
     """Fail (not hide) a leak of FP8 autocast or recompute state out of a test."""
-    assert global_state.snapshot() == global_state.CLEAN, "global state was dirty before the test"
+    assert global_state.snapshot() == global_state.clean(), "global state was dirty before the test"
     yield
     found = global_state.snapshot()
-    if found != global_state.CLEAN:
+    if found != global_state.clean():
         FP8GlobalStateManager.reset()
         recompute.reset_position()
         pytest.fail(f"the test leaked global FP8/recompute state: {found}")

@@ -1,10 +1,11 @@
-"""What a recompute replays, and how misuse fails (issue 4, items 7-12): dropout masks
+"""What a recompute replays, and how misuse fails: dropout masks
 (default generator and CudaRNGStatesTracker), torch.autocast dtype, repeated backward,
 two checkpoint producers with reset()/load_state_dict() between steps, the missing-stash
 invariant, and bad use with clean state afterwards.
 
 Comparisons are bit for bit against the same run without checkpointing, after proving
-the recompute ran. Items 1-6 are in test_checkpoint_robustness.py.
+the recompute ran. Training-loop robustness is in
+test_checkpoint_robustness.py.
 """
 
 import contextlib
@@ -40,7 +41,7 @@ def _record_recompute_scales(monkeypatch):
     return used
 
 
-# ---- 7. randomness -------------------------------------------------------------------------
+# ---- randomness -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rng", ["default-generator", "tracker-fork"])
@@ -122,7 +123,7 @@ def test_tracker_state_saved_as_copy(use_reentrant):
     assert len(masks) == 2 and torch.equal(masks[0], masks[1])
 
 
-# ---- 8. torch.autocast ----------------------------------------------------------------------
+# ---- torch.autocast ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["autocast-at-call", "autocast-at-backward"])
 @pytest.mark.parametrize("fp8", [pytest.param(True, id="fp8"), pytest.param(False, id="hp")])
@@ -164,7 +165,7 @@ def test_torch_autocast_state_of_the_call_governs(use_reentrant, fp8, where):
     assert_runs_equal(ref, got)
 
 
-# ---- 9. repeated backward -------------------------------------------------------------------
+# ---- repeated backward -------------------------------------------------------------------
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_retain_graph_second_backward_finds_its_own_stash(use_reentrant, monkeypatch):
@@ -221,7 +222,7 @@ def test_second_backward_without_retain_graph_fails_clearly(use_reentrant):
     assert stash_count() == 0
 
 
-# ---- 10. two producers, reset() and load_state_dict() between steps ---------------------------
+# ---- two producers, reset() and load_state_dict() between steps ---------------------------
 
 class InnerCheckpointed(torch.nn.Module):
     """A second producer of recompute state: two te.Linear layers that checkpoint
@@ -320,7 +321,7 @@ def test_two_producers_survive_reset_and_load_state_dict(use_reentrant, producer
     assert stash_count() == 0
 
 
-# ---- 11. the missing-stash invariant ------------------------------------------------------
+# ---- the missing-stash invariant ------------------------------------------------------
 
 @pytest.mark.parametrize("violation", ["fp8-only-in-recompute", "extra-call-in-recompute"])
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
@@ -355,7 +356,7 @@ def test_recompute_without_stash_raises(use_reentrant, violation):
     assert stash_count() == 0
 
 
-# ---- 12. bad use ------------------------------------------------------------------------------
+# ---- bad use ------------------------------------------------------------------------------
 
 NO_GRAD_OUTPUT = "no output of the checkpointed function requires grad"
 

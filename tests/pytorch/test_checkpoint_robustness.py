@@ -1,11 +1,11 @@
-"""Checkpointing that survives real training loops (issue 4, items 1-6): nesting,
+"""Checkpointing that survives real training loops: nesting,
 exceptions, forwards without backward, train/eval switches, out-of-order gradient
 accumulation, and modules shared within and across regions.
 
 Every case compares a checkpointed run against the same run without checkpointing,
 bit for bit (losses, gradients, every module's scale / scale_inv / amax history), after
-proving that the recompute ran and that the scales moved in between. Items 7-12 are in
-test_checkpoint_replay.py.
+proving that the recompute ran and that the scales moved in between. What a recompute replays
+is in test_checkpoint_replay.py.
 """
 
 import contextlib
@@ -22,7 +22,7 @@ from checkpoint_utils import (CLEAN, RECIPE, REENTRANT, STASH_KEY, assert_runs_e
                               fwd_scale, global_state, linears, maybe_checkpoint, params,
                               queries, stash_count)
 
-# ---- 1. nesting ------------------------------------------------------------------------
+# ---- nesting ------------------------------------------------------------------------
 
 class NestLog:
     def __init__(self):
@@ -98,7 +98,7 @@ def test_nested_depth_3(use_reentrant, depth):
     assert stash_count() == 0
 
 
-# ---- 2. exceptions ---------------------------------------------------------------------
+# ---- exceptions ---------------------------------------------------------------------
 
 class Boom(Exception):
     """Raised on purpose inside checkpointed functions."""
@@ -218,7 +218,7 @@ def test_exception_inside_enclosing_region_restores_its_state(use_reentrant):
     assert stash_count() == 0
 
 
-# ---- 3. forwards without backward ------------------------------------------------------
+# ---- forwards without backward ------------------------------------------------------
 
 def _live_tensor_count():
     gc.collect()
@@ -270,7 +270,7 @@ def test_thousand_dropped_forwards_leave_nothing(use_reentrant, mode):
     assert stash_count() == 0 and len(recompute.live_frames()) == 0
 
 
-# ---- 4. train/eval switches between phase 1 and backward --------------------------------
+# ---- train/eval switches between phase 1 and backward --------------------------------
 
 class RecordingDropout(torch.nn.Dropout):
     """Dropout that notes the mode each of its calls ran in."""
@@ -340,7 +340,7 @@ def test_mode_at_phase1_governs(use_reentrant, switch, nested, function):
     assert stash_count() == 0
 
 
-# ---- 5. gradient accumulation, backward out of order -------------------------------------
+# ---- gradient accumulation, backward out of order -------------------------------------
 
 def _accumulate(order, checkpointed, use_reentrant):
     """Four micro-batches pre -> region(a, b), each in its own autocast (so the scales
@@ -404,7 +404,7 @@ def test_out_of_order_accumulation(use_reentrant, order, monkeypatch):
     assert stash_count() == 0
 
 
-# ---- 6. sharing a module -----------------------------------------------------------------
+# ---- sharing a module -----------------------------------------------------------------
 
 @pytest.mark.parametrize("sharing", ["twice-in-one-region", "twice-in-one-region-two-autocasts",
                                      "two-regions-one-autocast", "two-regions-two-autocasts"])

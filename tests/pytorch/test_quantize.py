@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch.kernel_config import kernel_config
 from utils import DEVICES, cuda_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -68,8 +69,12 @@ OPERAND_PAIRS = [pytest.param(E4M3, E4M3, id="e4m3xe4m3"), pytest.param(E4M3, E5
 @pytest.mark.parametrize("a_dtype, b_dtype", OPERAND_PAIRS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_fp8_gemm_matches_float64_on_dequantized_operands(device, cpu_gemm, a_dtype, b_dtype,
-                                                         out_dtype, monkeypatch):
-    monkeypatch.setattr(quantize, "_cpu_gemm", cpu_gemm)
+                                                         out_dtype):
+    with kernel_config(cpu_gemm=cpu_gemm):
+        _check_gemm_against_float64(device, a_dtype, b_dtype, out_dtype)
+
+
+def _check_gemm_against_float64(device, a_dtype, b_dtype, out_dtype):
     a = quantize.cast_to_fp8(torch.randn(32, 64, device=device), torch.tensor([3.0], device=device),
                              a_dtype)
     b = quantize.cast_to_fp8(torch.randn(48, 64, device=device), torch.tensor([0.5], device=device),

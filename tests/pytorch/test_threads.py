@@ -93,7 +93,7 @@ def test_concurrent_training_matches_sequential(use_reentrant, one_intra_op_thre
               for seed in (1, 2)))
         _assert_same(sequential[0], results[1])
         _assert_same(sequential[1], results[2])
-    assert global_state.snapshot() == global_state.CLEAN
+    assert global_state.snapshot() == global_state.clean()
 
 
 def test_interleaved_exits_restore_each_thread(one_intra_op_thread):
@@ -109,7 +109,7 @@ def test_interleaved_exits_restore_each_thread(one_intra_op_thread):
                 order.wait()                # let the other exit first
         if first:
             order.wait()
-        seen[name] = global_state.snapshot() == global_state.CLEAN
+        seen[name] = global_state.snapshot() == global_state.clean()
         (layer,) = linears(1)
         with te.autocast(recipe=RECIPE):
             layer(torch.randn(16, 32) * 3)

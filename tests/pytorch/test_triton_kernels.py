@@ -2,7 +2,7 @@
 reference ops, bit for bit; and the CPU path never loading Triton.
 
 The CUDA cases run only on a GPU with FP8 and Triton; each compares the fused
-path with the same call under ``quantize.use_fused_kernels(False)``.
+path with the same call under ``kernel_config(fused=False)``.
 """
 
 import os
@@ -16,6 +16,8 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch.kernel_config import (KernelConfig, get_kernel_config,
+                                                     kernel_config)
 from utils import HAS_CUDA_FP8, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
 
 try:
@@ -48,9 +50,10 @@ def _sample(shape, dtype, special: bool):
 
 
 @pytest.fixture(autouse=True)
-def fused_casts_allowed(monkeypatch):
-    """These tests exercise the fused kernels whatever NVTE_FUSED_FP8_CASTS says."""
-    monkeypatch.setattr(quantize, "_fused_enabled", True)
+def fused_kernels_on():
+    """These tests exercise the fused kernels whatever the environment says."""
+    with kernel_config(fused=True, direct_launch=True):
+        yield
 
 
 def _spy(monkeypatch):
@@ -67,13 +70,11 @@ def _spy(monkeypatch):
 
 
 @cuda_triton
-@pytest.mark.parametrize("in_kernel", [False, True], ids=["torch-t", "kernel-t"])
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "inf"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("hp", HP, ids=["fp32", "bf16", "fp16"])
-def test_cast_transpose_bitwise(hp, fp8, shape, special, in_kernel, monkeypatch):
-    monkeypatch.setattr(quantize, "_fused_transpose", in_kernel)
+def test_cast_transpose_bitwise(hp, fp8, shape, special, monkeypatch):
     calls = _spy(monkeypatch)
     x = _sample(shape, hp, special)
     scale = torch.tensor([0.25, 3.7, 9.0], device="cuda")       # index 1 is used
@@ -81,7 +82,7 @@ def test_cast_transpose_bitwise(hp, fp8, shape, special, in_kernel, monkeypatch)
     hist_f, hist_r = history.clone(), history.clone()
     q_f, qt_f = quantize.cast_transpose_to_fp8(x, scale, fp8, index=1, amax_history=hist_f,
                                                transpose=True)
-    with quantize.use_fused_kernels(False):
+    with kernel_config(fused=False):
         q_r, qt_r = quantize.cast_transpose_to_fp8(x, scale, fp8, index=1, amax_history=hist_r,
                                                    transpose=True)
     assert len(calls) == 1
@@ -169,7 +170,7 @@ def test_delayed_scaling_update_in_place_reference_path_matches():
     ref = [[t.clone() for t in ts] for ts in (hists, scales, invs)]
     counts = [torch.zeros((), dtype=torch.int32, device="cuda") for _ in range(2)]
     quantize.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max", non_finite=counts[0])
-    with quantize.use_fused_kernels(False):
+    with kernel_config(fused=False):
         quantize.delayed_scaling_update_(*ref, 448.0, 0, "max", non_finite=counts[1])
     for a, b in zip(hists + scales + invs, ref[0] + ref[1] + ref[2]):
         assert torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
@@ -184,7 +185,7 @@ def test_nan_propagates_like_reference(hp):
     scale = torch.ones(1, device="cuda")
     slot_f, slot_r = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
     q_f, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_history=slot_f)
-    with quantize.use_fused_kernels(False):
+    with kernel_config(fused=False):
         q_r, _ = quantize.cast_transpose_to_fp8(x, scale, E4M3, amax_history=slot_r)
     assert slot_f.isnan().all() and slot_r.isnan().all()
     assert torch.equal(q_f.data.float().isnan(), q_r.data.float().isnan())
@@ -197,7 +198,7 @@ def test_nan_propagates_like_reference(hp):
 def test_amax_bitwise(hp, numel):
     x = _sample((numel,), hp, special=False)
     fused = quantize.amax(x)
-    with quantize.use_fused_kernels(False):
+    with kernel_config(fused=False):
         ref = quantize.amax(x)
     assert fused.shape == () and fused.dtype == torch.float32
     assert torch.equal(fused, ref)
@@ -210,19 +211,26 @@ def test_cast_to_fp8_non_contiguous_and_3d():
     scale = torch.tensor([5.0], device="cuda")
     for t in (x, y):
         f = quantize.cast_to_fp8(t, scale, E4M3)
-        with quantize.use_fused_kernels(False):
+        with kernel_config(fused=False):
             r = quantize.cast_to_fp8(t, scale, E4M3)
         assert f.data.shape == t.shape and torch.equal(_bits(f.data), _bits(r.data))
 
 
 @cuda_triton
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-launch", "jit-launch"])
-def test_cached_launches_keep_specializations_apart(direct, monkeypatch):
+def test_cached_launches_keep_specializations_apart(direct):
     """Launches whose arguments differ only in what Triton specializes on (16-byte
     alignment, divisibility by 16, ints equal to 1) each match the reference, in an
     order where a too-coarse launch cache would reuse the wrong binary."""
     from transformer_engine.pytorch import triton_kernels
-    monkeypatch.setattr(triton_kernels, "direct_launch", direct)
+    if direct:
+        assert triton_kernels.direct_launch_supported(triton.__version__), \
+            f"direct launch not checked on Triton {triton.__version__}"
+    with kernel_config(direct_launch=direct):
+        _launch_cases(triton_kernels, direct)
+
+
+def _launch_cases(triton_kernels, direct):
     base = torch.randn(64 * 64 + 8, device="cuda", dtype=torch.bfloat16)
     cases = [base[:64 * 64].view(64, 64),            # aligned, all dims divisible by 16
              base[1:1 + 64 * 64].view(64, 64),       # same shape, pointer off by 2 bytes
@@ -237,7 +245,7 @@ def test_cached_launches_keep_specializations_apart(direct, monkeypatch):
             hist_f, hist_r = torch.zeros(2, 2, device="cuda"), torch.zeros(2, 2, device="cuda")
             q_f, qt_f = quantize.cast_transpose_to_fp8(x, scale, E4M3, index=1,
                                                        amax_history=hist_f, transpose=True)
-            with quantize.use_fused_kernels(False):
+            with kernel_config(fused=False):
                 q_r, qt_r = quantize.cast_transpose_to_fp8(x, scale, E4M3, index=1,
                                                            amax_history=hist_r, transpose=True)
             what = f"round {round_}, case {i}"
@@ -248,13 +256,13 @@ def test_cached_launches_keep_specializations_apart(direct, monkeypatch):
         assert len(triton_kernels._launch_cast.compiled) >= 6
 
 
-def _train(fused: bool, recipe, bias: bool, steps: int = 3):
+def _train(config: KernelConfig, recipe, bias: bool, steps: int = 3):
     """Two te.Linear in sequence (so each update covers two states), three steps."""
     torch.manual_seed(7)
     layers = [te.Linear(64, 96, bias=bias, params_dtype=torch.bfloat16, device="cuda"),
               te.Linear(96, 48, bias=bias, params_dtype=torch.bfloat16, device="cuda")]
     outs = []
-    with quantize.use_fused_kernels(fused):
+    with kernel_config(fused=config.fused, direct_launch=config.direct_launch):
         for _ in range(steps):
             x = torch.randn(80, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             with te.autocast(recipe=recipe):
@@ -275,33 +283,63 @@ def _train(fused: bool, recipe, bias: bool, steps: int = 3):
                                     Float8CurrentScaling()], ids=["delayed-hybrid",
                                                                   "delayed-e4m3", "current"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("fusions", ["all", "all-jit-launch", "cast-only"])
-def test_linear_training_fused_equals_reference(recipe, bias, fusions, monkeypatch):
-    from transformer_engine.pytorch import triton_kernels
-    monkeypatch.setattr(quantize, "_fused_transpose", fusions != "cast-only")
-    monkeypatch.setattr(quantize, "_fused_update", fusions != "cast-only")
-    monkeypatch.setattr(triton_kernels, "direct_launch", fusions != "all-jit-launch")
+@pytest.mark.parametrize("launch", ["direct", "jit"])
+def test_linear_training_fused_equals_reference(recipe, bias, launch, monkeypatch):
     calls = _spy(monkeypatch)
-    fused, fused_state = _train(True, recipe, bias)
+    fused, fused_state = _train(KernelConfig(direct_launch=launch == "direct"), recipe, bias)
     assert len(calls) == 18   # x, W, dy of two layers in each of three steps
-    ref, ref_state = _train(False, recipe, bias)
+    ref, ref_state = _train(KernelConfig(fused=False), recipe, bias)
     assert len(calls) == 18
     assert_tensors_equal(fused, ref, "outputs and gradients")
     assert_states_equal(fused_state, ref_state, "fp8 state")
 
 
-def test_use_fused_kernels_restores_and_validates():
-    before = quantize.fused_kernels_enabled()
-    with quantize.use_fused_kernels(not before):
-        assert quantize.fused_kernels_enabled() is (not before)
+def test_kernel_config_restores_and_validates():
+    before = get_kernel_config()
+    with kernel_config(fused=not before.fused) as inside:
+        assert get_kernel_config() is inside and inside.fused is (not before.fused)
         with pytest.raises(RuntimeError):
-            with quantize.use_fused_kernels(before):
+            with kernel_config(fused=before.fused):
                 raise RuntimeError("inside")
-        assert quantize.fused_kernels_enabled() is (not before)
-    assert quantize.fused_kernels_enabled() is before
-    with pytest.raises(TypeError, match=r"quantize.use_fused_kernels: enabled must be a bool, got 1"):
-        with quantize.use_fused_kernels(1):
-            raise AssertionError("use_fused_kernels should have refused 1")
+        assert get_kernel_config() is inside
+    assert get_kernel_config() is before
+    with pytest.raises(TypeError, match=r"KernelConfig: fused must be a bool, got 1"):
+        with kernel_config(fused=1):
+            raise AssertionError("kernel_config should have refused 1")
+    with pytest.raises(ValueError, match=r"cpu_gemm must be one of \('upcast', 'scaled_mm'\)"):
+        KernelConfig(cpu_gemm="fast")
+    assert get_kernel_config() is before
+
+
+def test_kernel_config_from_environment():
+    assert KernelConfig.from_environment({}) == KernelConfig()
+    assert KernelConfig.from_environment({"NVTE_FUSED_FP8_KERNELS": "0"}).fused is False
+    assert KernelConfig.from_environment({"NVTE_CPU_FP8_GEMM": "scaled_mm"}).cpu_gemm == "scaled_mm"
+    with pytest.raises(ValueError, match="NVTE_FUSED_FP8_KERNELS must be 0 or 1, got 'yes'"):
+        KernelConfig.from_environment({"NVTE_FUSED_FP8_KERNELS": "yes"})
+
+
+@pytest.mark.parametrize("version, ok", [("3.6.0", True), ("3.6.1+git1234", True),
+                                         ("3.5.1", False), ("3.7.0", False), ("4.0", False),
+                                         ("", False), (None, False), ("nightly", False)])
+def test_direct_launch_guarded_by_triton_version(version, ok):
+    """The direct launch relies on Triton internals checked on some versions only; any
+    other Triton (an upgrade) launches through the JIT."""
+    from transformer_engine.pytorch import triton_kernels
+    assert triton_kernels.direct_launch_supported(version) is ok
+
+
+@cuda_triton
+def test_unchecked_triton_version_launches_through_the_jit(monkeypatch):
+    from transformer_engine.pytorch import triton_kernels
+    monkeypatch.setattr(triton_kernels, "_DIRECT_LAUNCH_OK", False)
+    launcher = triton_kernels._Launcher(triton_kernels._amax_kernel)
+    x = torch.randn(4096, device="cuda")
+    out = torch.zeros((), dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        launcher((1, 1, 1), 8, (x.dtype,), x, out, x.numel(), 4096)
+    assert launcher.compiled == {}                       # nothing cached: JIT every time
+    assert torch.equal(out.view(torch.float32), x.abs().max())
 
 
 def test_cast_transpose_rejects_bad_arguments():

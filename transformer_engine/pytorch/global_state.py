@@ -7,23 +7,30 @@ from typing import NamedTuple
 
 from . import recompute
 from .fp8 import FP8GlobalStateManager, _AutocastState
+from .kernel_config import KernelConfig, get_kernel_config
 
-__all__ = ["GlobalStateSnapshot", "snapshot", "CLEAN"]
+__all__ = ["GlobalStateSnapshot", "snapshot", "clean"]
 
 
 class GlobalStateSnapshot(NamedTuple):
-    """The calling thread's FP8 autocast state and recompute position, and the
-    process-wide module-mode hook users (compare with ``==``; the autocast state is
-    compared by value, frames by identity)."""
+    """The calling thread's FP8 autocast state and recompute position, the
+    process-wide module-mode hook users and kernel configuration (compare with ``==``;
+    the autocast state is compared by value, checkpoint frames by identity)."""
 
     autocast: _AutocastState
     recompute: recompute.RecomputePosition
     mode_hook_users: int
+    kernels: KernelConfig
 
 
 def snapshot() -> GlobalStateSnapshot:
     return GlobalStateSnapshot(FP8GlobalStateManager.get_fp8_autocast_state(),
-                               recompute.position(), recompute.mode_hook_users())
+                               recompute.position(), recompute.mode_hook_users(),
+                               get_kernel_config())
 
 
-CLEAN = GlobalStateSnapshot(_AutocastState(), recompute.RecomputePosition(), 0)
+def clean() -> GlobalStateSnapshot:
+    """The state outside any autocast and checkpoint call, with the kernel
+    configuration the environment gives."""
+    return GlobalStateSnapshot(_AutocastState(), recompute.RecomputePosition(), 0,
+                               KernelConfig.from_environment())

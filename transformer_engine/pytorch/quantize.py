@@ -5,18 +5,15 @@ Nothing here reads or writes FP8 global state; `fp8.py` decides *which* scale to
 use and *where* an amax is recorded, the module files decide *what* is cast.
 
 NOTE [Fused casts]
-    On CUDA, when Triton imports, `amax`, `cast_to_fp8`, `cast_transpose_to_fp8` and
-    `delayed_scaling_update_` run the kernels of `triton_kernels.py`: one pass over a
-    tensor folds its amax into the amax-history slot, casts it with the delayed scale,
-    writes ``scale_inv`` and, for the backward GEMMs, the transposed FP8 copy too; one
-    launch updates the delayed-scaling state of all modules of an update. Otherwise
-    (CPU, no Triton, or switched off) the torch reference ops below run. Both compute
-    the same bits; tests/pytorch/test_triton_kernels.py checks it on a GPU, and
-    `use_fused_kernels(False)` selects the reference inside a block.
-    Switches, read at import: ``NVTE_FUSED_FP8_CASTS=0`` turns all fused kernels off;
-    ``NVTE_FUSED_FP8_TRANSPOSE=0`` makes torch transpose the FP8 data instead of the
-    cast kernel; ``NVTE_FUSED_FP8_UPDATE=0`` runs the update as torch ops on
-    concatenated buffers. The CPU path never imports Triton.
+    On CUDA, when Triton imports and the fused kernels are on (NOTE [Kernel
+    selection] in kernel_config.py), `amax`, `cast_to_fp8`, `cast_transpose_to_fp8`
+    and `delayed_scaling_update_` run the kernels of `triton_kernels.py`: one pass over
+    a tensor folds its amax into the amax-history slot, casts it with the delayed
+    scale, writes ``scale_inv`` and, for the backward GEMMs, the transposed FP8 copy
+    too; one launch updates the delayed-scaling state of all modules of an update.
+    Otherwise (CPU, no Triton, or switched off) the torch reference ops below run.
+    Both compute the same bits; tests/pytorch/test_triton_kernels.py checks it on a
+    GPU. The CPU path never imports Triton.
 
 NOTE [CPU FP8 GEMM]
     An FP8 x FP8 product is exact in float32 (a 4-bit by 4-bit significand product
@@ -29,8 +26,8 @@ NOTE [CPU FP8 GEMM]
     upcast at 2048x128x384); the upcast was also faster for E4M3 x E5M2 and E5M2 x
     E4M3 on every shape measured (``benchmarks/bench_cpu_gemm.py``). The choice is a
     fixed setting, not a timing probe, so that two processes on one machine compute
-    the same bits. ``NVTE_CPU_FP8_GEMM=scaled_mm`` selects ``torch._scaled_mm``
-    instead; both are tested against a float64 reference.
+    the same bits. ``KernelConfig.cpu_gemm="scaled_mm"`` (``NVTE_CPU_FP8_GEMM``) selects
+    ``torch._scaled_mm`` instead; both are tested against a float64 reference.
 
 NOTE [GEMM vocabulary]
     For a linear layer ``y = x W^T`` (x: [M, K], W: [N, K], y: [M, N]):
@@ -43,18 +40,17 @@ NOTE [GEMM vocabulary]
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+from .kernel_config import get_kernel_config
 
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
     "current_scale", "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
     "roll_amax_history", "sanitize_live_amax", "check_computed_scale", "delayed_scaling_update",
     "delayed_scaling_update_",
-    "use_fused_kernels", "fused_kernels_enabled",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -63,40 +59,14 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ---- dispatch to the fused kernels (NOTE [Fused casts]) ---------------------------
-_fused_enabled: bool = os.environ.get("NVTE_FUSED_FP8_CASTS", "1") == "1"
-_fused_transpose: bool = os.environ.get("NVTE_FUSED_FP8_TRANSPOSE", "1") == "1"
-_fused_update: bool = os.environ.get("NVTE_FUSED_FP8_UPDATE", "1") == "1"
 _kernels_module = None      # triton_kernels once loaded; False when Triton is missing
-CPU_GEMM_KINDS = ("upcast", "scaled_mm")
-_cpu_gemm: str = os.environ.get("NVTE_CPU_FP8_GEMM", "upcast")   # NOTE [CPU FP8 GEMM]
-if _cpu_gemm not in CPU_GEMM_KINDS:
-    raise ValueError(f"NVTE_CPU_FP8_GEMM must be one of {CPU_GEMM_KINDS}, got {_cpu_gemm!r}")
-
-
-def fused_kernels_enabled() -> bool:
-    """Whether CUDA casts may use the Triton kernels (they still need Triton)."""
-    return _fused_enabled
-
-
-@contextlib.contextmanager
-def use_fused_kernels(enabled: bool):
-    """Allow (True) or forbid (False) the fused Triton casts inside the block; the
-    setting found on entry is put back on exit."""
-    global _fused_enabled
-    if not isinstance(enabled, bool):
-        raise TypeError(f"quantize.use_fused_kernels: enabled must be a bool, got {enabled!r}")
-    saved = _fused_enabled
-    _fused_enabled = enabled
-    try:
-        yield
-    finally:
-        _fused_enabled = saved
 
 
 def _fused_kernels(x: torch.Tensor):
     """The Triton kernels module if ``x`` should take the fused path, else None."""
     global _kernels_module
-    if not (_fused_enabled and x.is_cuda and x.dtype in _HP_DTYPES and x.numel() > 0):
+    if not (x.is_cuda and x.dtype in _HP_DTYPES and x.numel() > 0
+            and get_kernel_config().fused):
         return None
     if _kernels_module is None:
         try:
@@ -212,13 +182,9 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, in
     if (kernels is not None and scale.dtype == torch.float32 and scale.is_contiguous()
             and scale.device == x.device
             and (amax_history is None or amax_history.is_contiguous())):
-        in_kernel = transpose and _fused_transpose
         q, q_t, scale_inv = kernels.cast_transpose(x, scale, dtype, index=index,
                                                    amax_history=amax_history,
-                                                   data=data or not in_kernel,
-                                                   transpose=in_kernel)
-        if transpose and not in_kernel:
-            q_t = q.t().contiguous()
+                                                   data=data, transpose=transpose)
         return (Float8Data(q, scale_inv) if data else None,
                 Float8Data(q_t, scale_inv) if transpose else None)
     if amax_history is not None:
@@ -286,7 +252,7 @@ def _gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
           bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
     """`fp8_gemm` without its checks, for operands the modules' own casts made
     (contiguous, FP8, shapes checked by `check_gemm_shape` at the module's entry)."""
-    if not a.data.is_cuda and _cpu_gemm == "upcast":
+    if not a.data.is_cuda and get_kernel_config().cpu_gemm == "upcast":
         return _upcast_gemm(a, b, out_dtype, bias)
     # cuBLASLt takes a bias only for 16-bit outputs; a float32 output adds it after.
     fused_bias = None
@@ -393,7 +359,7 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
     states (NOTE [Fused casts]); otherwise the formulas run once on the concatenated
     states and the results are copied back.
     """
-    kernels = _fused_kernels(histories[0]) if _fused_update else None
+    kernels = _fused_kernels(histories[0])
     if (kernels is not None and algo in ("max", "most_recent")
             and kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo,
                                         non_finite)):

@@ -27,18 +27,21 @@ NOTE [Launch overhead]
     arguments that can vary: dtypes, constexpr values, and Triton's rule for the rest
     (an int on being 1, on divisibility by 16 and on fitting int32; a pointer on
     16-byte alignment), so a compiled kernel is reused only where the JIT would reuse
-    it (tests/pytorch/test_triton_kernels.py alternates such arguments). With a launch
-    hook registered (a profiler's), or ``NVTE_TRITON_DIRECT_LAUNCH=0``, every launch
+    it (tests/pytorch/test_triton_kernels.py alternates such arguments). The compiled
+    kernel's launcher and that key rule are Triton internals, checked on the versions
+    in `DIRECT_LAUNCH_TRITON_VERSIONS` only: on any other Triton, with a launch hook
+    registered (a profiler's), or with ``KernelConfig.direct_launch`` off, every launch
     goes through the JIT. On an H200 machine this took a ``te.Linear`` step at 256^3
     from 1285 to 795 us of host time (benchmarks/bench_linear.py).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+
+from .kernel_config import get_kernel_config
 
 try:
     import triton
@@ -53,7 +56,8 @@ except ImportError:  # pragma: no cover - older Triton: every launch through the
 
 AVAILABLE = triton is not None
 
-__all__ = ["AVAILABLE", "cast_transpose", "amax", "delayed_update_"]
+__all__ = ["AVAILABLE", "cast_transpose", "amax", "delayed_update_", "direct_launch_supported",
+           "DIRECT_LAUNCH_TRITON_VERSIONS"]
 
 # One tile per program. Picked by timing on an H200 (benchmarks/bench_linear.py --tune).
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
@@ -63,7 +67,23 @@ _INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
 _F32 = torch.float32
 _FP32_MAX = torch.finfo(torch.float32).max
 
-direct_launch: bool = os.environ.get("NVTE_TRITON_DIRECT_LAUNCH", "1") == "1"
+# (major, minor) of the Triton releases whose launcher interface and specialization
+# rule NOTE [Launch overhead] was checked against.
+DIRECT_LAUNCH_TRITON_VERSIONS = ((3, 6),)
+
+
+def direct_launch_supported(version: Optional[str]) -> bool:
+    """Whether the direct launch may be used with this Triton version string."""
+    if not version:
+        return False
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) in DIRECT_LAUNCH_TRITON_VERSIONS
+
+
+_DIRECT_LAUNCH_OK = AVAILABLE and direct_launch_supported(getattr(triton, "__version__", None))
 
 if AVAILABLE:
     _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -201,7 +221,7 @@ class _Launcher:
         self.compiled: Dict[tuple, tuple] = {}
 
     def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:
-        if not direct_launch:
+        if not (_DIRECT_LAUNCH_OK and get_kernel_config().direct_launch):
             self.kernel[grid](*args, num_warps=num_warps)
             return
         device = torch.cuda.current_device()      # Triton launches on the current device

@@ -90,7 +90,7 @@ def _errors(out_dir) -> str:
 
 def global_state_is_clean() -> bool:
     """What conftest's autouse fixture checks, for a worker process."""
-    return te_global_state.snapshot() == te_global_state.CLEAN
+    return te_global_state.snapshot() == te_global_state.clean()
 
 
 class CollectiveCounter:

@@ -1,0 +1,96 @@
+"""Which kernels the FP8 casts, GEMMs and updates run: one frozen `KernelConfig`,
+read from the environment at first use, replaced only through `kernel_config`.
+
+NOTE [Kernel selection]
+    CUDA: with ``fused`` (the default) and Triton importable, every cast of a CUDA
+    tensor is one Triton pass that also records the amax and writes the transposed
+    FP8 copy, and one launch updates all states of a delayed-scaling update (NOTE
+    [Fused casts] in quantize.py); otherwise the torch reference ops run. Both compute
+    the same bits. ``direct_launch`` calls the compiled Triton kernels' launchers
+    directly (NOTE [Launch overhead] in triton_kernels.py), only on the Triton
+    versions that interface was checked on; elsewhere every launch goes through the
+    JIT. CPU: ``cpu_gemm`` picks the FP8 GEMM (NOTE [CPU FP8 GEMM]).
+
+    Environment, read once: ``NVTE_FUSED_FP8_KERNELS=0`` turns the fused kernels off;
+    ``NVTE_CPU_FP8_GEMM=scaled_mm`` selects ``torch._scaled_mm`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+__all__ = ["KernelConfig", "get_kernel_config", "kernel_config", "CPU_GEMMS"]
+
+CPU_GEMMS = ("upcast", "scaled_mm")
+_SWITCHES = {"1": True, "0": False}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The kernel choices (NOTE [Kernel selection]).
+
+    Parameters
+    ----------
+    fused : bool, default True
+        CUDA: Triton kernels for the casts, amaxes and the delayed-scaling update.
+    direct_launch : bool, default True
+        CUDA: launch compiled Triton kernels directly where the Triton version allows.
+    cpu_gemm : "upcast" | "scaled_mm", default "upcast"
+        The CPU FP8 GEMM.
+    """
+
+    fused: bool = True
+    direct_launch: bool = True
+    cpu_gemm: str = "upcast"
+
+    def __post_init__(self):
+        for name in ("fused", "direct_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KernelConfig: {name} must be a bool, "
+                                f"got {getattr(self, name)!r}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"KernelConfig: cpu_gemm must be one of {CPU_GEMMS}, "
+                             f"got {self.cpu_gemm!r}")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "KernelConfig":
+        fused = environ.get("NVTE_FUSED_FP8_KERNELS", "1")
+        if fused not in _SWITCHES:
+            raise ValueError(f"NVTE_FUSED_FP8_KERNELS must be 0 or 1, got {fused!r}")
+        return cls(fused=_SWITCHES[fused],
+                   cpu_gemm=environ.get("NVTE_CPU_FP8_GEMM", "upcast"))
+
+
+_LOCK = threading.Lock()
+_config: Optional[KernelConfig] = None
+
+
+def get_kernel_config() -> KernelConfig:
+    """The configuration in force (read from the environment at the first call)."""
+    global _config
+    config = _config
+    if config is None:
+        with _LOCK:
+            if _config is None:
+                _config = KernelConfig.from_environment()
+            config = _config
+    return config
+
+
+@contextlib.contextmanager
+def kernel_config(**changes):
+    """Run a block with some fields replaced (``kernel_config(fused=False)``); the
+    configuration found on entry is put back on exit. Process-wide, not per thread:
+    for tests and benchmarks."""
+    global _config
+    saved = get_kernel_config()
+    _config = dataclasses.replace(saved, **changes)
+    try:
+        yield _config
+    finally:
+        _config = saved
