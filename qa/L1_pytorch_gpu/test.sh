@@ -18,7 +18,10 @@ print(torch.cuda.get_device_name(), 'torch', torch.__version__)" || exit 1
 FAILED=()
 for t in "${TESTS[@]}"; do
     echo "=== $t"
-    "$PY" -m pytest -q -p no:cacheprovider -rfE "$@" "$t" || FAILED+=("$t")
+    "$PY" -m pytest -q -p no:cacheprovider -rfEs "$@" "$t"
+    rc=$?
+    # 5: nothing collected (a file that skips itself whole, with its reason printed)
+    [ $rc -eq 0 ] || [ $rc -eq 5 ] || FAILED+=("$t")
 done
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "FAILED test files: ${FAILED[*]}"

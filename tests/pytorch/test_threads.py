@@ -2,7 +2,12 @@
 ``torch.autocast``'s is: threads training their own models at the same time get
 bit-identical results to the same runs done one after the other; exits that
 interleave across threads leave each thread's state as it found it; one thread's
-autocast or recompute does not reach another thread's forward."""
+autocast or recompute does not reach another thread's forward.
+
+Models are built outside the threads and data drawn from generators of their own:
+torch's default generators are process-wide (module initialization draws from them,
+and a recompute replays them), so threads that draw from them at once interfere
+whatever this package does."""
 
 import threading
 
@@ -47,10 +52,10 @@ def _run_in_threads(*targets, timeout=120):
         raise errors[0]
 
 
-def _train(seed, use_reentrant, steps, barrier=None):
-    """A small FP8 model with the autocast opened inside checkpointed regions; returns
-    every step's loss, gradients and FP8 states."""
-    layers = linears(3, seed=seed)
+def _train(layers, seed, use_reentrant, steps, barrier=None):
+    """Train ``layers`` (built beforehand: construction draws from torch's process-wide
+    default generator) with the FP8 autocast opened inside checkpointed regions, on data
+    from a generator of their own; returns every step's loss, gradients and FP8 states."""
     opt = torch.optim.SGD(params(layers), lr=0.1)
     gen = torch.Generator().manual_seed(seed)
 
@@ -84,13 +89,14 @@ def _assert_same(ref, got):
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_concurrent_training_matches_sequential(use_reentrant, one_intra_op_thread):
     steps = 20
-    sequential = [_train(seed, use_reentrant, steps) for seed in (1, 2)]
+    sequential = [_train(linears(3, seed=seed), seed, use_reentrant, steps) for seed in (1, 2)]
     for _repeat in range(2):
         results = {}
         barrier = threading.Barrier(2)
+        models = {seed: linears(3, seed=seed) for seed in (1, 2)}
         _run_in_threads(
-            *(lambda s=seed: results.__setitem__(s, _train(s, use_reentrant, steps, barrier))
-              for seed in (1, 2)))
+            *(lambda s=seed: results.__setitem__(
+                s, _train(models[s], s, use_reentrant, steps, barrier)) for seed in (1, 2)))
         _assert_same(sequential[0], results[1])
         _assert_same(sequential[1], results[2])
     assert global_state.snapshot() == global_state.clean()
@@ -101,6 +107,7 @@ def test_interleaved_exits_restore_each_thread(one_intra_op_thread):
     outermost autocast in each thread still updates the scales."""
     order = threading.Barrier(2)
     seen = {}
+    layers = {"a": linears(1)[0], "b": linears(1)[0]}
 
     def body(name, first):
         with te.autocast(recipe=RECIPE):
@@ -110,7 +117,7 @@ def test_interleaved_exits_restore_each_thread(one_intra_op_thread):
         if first:
             order.wait()
         seen[name] = global_state.snapshot() == global_state.clean()
-        (layer,) = linears(1)
+        layer = layers[name]
         with te.autocast(recipe=RECIPE):
             layer(torch.randn(16, 32) * 3)
         seen[name + "-updated"] = not torch.equal(layer.fp8_meta["scaling_fwd"].scale,
@@ -150,6 +157,7 @@ def test_recompute_in_one_thread_does_not_reach_another(use_reentrant, one_intra
     sees no recompute phase, and its step equals the same step run alone."""
     in_recompute, b_done = threading.Event(), threading.Event()
     (a_layer,) = linears(1, seed=5)
+    b_layers = [linears(1, seed=6)[0] for _ in range(2)]      # built here, not in a thread
     calls = [0]
 
     def region(h):
@@ -165,8 +173,7 @@ def test_recompute_in_one_thread_does_not_reach_another(use_reentrant, one_intra
                           use_reentrant=use_reentrant)
         y.sum().backward()
 
-    def b_step():
-        (layer,) = linears(1, seed=6)
+    def b_step(layer):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
         with te.autocast(recipe=RECIPE):
             y = layer(x)
@@ -179,12 +186,12 @@ def test_recompute_in_one_thread_does_not_reach_another(use_reentrant, one_intra
         assert in_recompute.wait(60)
         try:
             got["phase"] = distributed.in_fp8_activation_recompute_phase()
-            got["step"] = b_step()
+            got["step"] = b_step(b_layers[0])
         finally:
             b_done.set()
     _run_in_threads(thread_a, thread_b)
     assert calls[0] == 2 and got["phase"] is False
-    alone = b_step()
+    alone = b_step(b_layers[1])
     assert_tensors_equal(alone["grads"], got["step"]["grads"])
     assert_states_equal(alone["states"], got["step"]["states"])
 
