@@ -7,12 +7,13 @@ from .fp8 import (FP8GlobalStateManager, autocast, fp8_autocast, fp8_model_init,
                   get_default_fp8_recipe, is_fp8_available, quantized_model_init)
 from .module import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,
                      TransformerEngineBaseModule)
+from .graph import make_graphed_callables
 from .transformer import TransformerLayer
 
 __all__ = [
     "distributed", "checkpoint", "CudaRNGStatesTracker", "FP8GlobalStateManager",
     "autocast", "fp8_autocast", "get_default_fp8_recipe", "is_fp8_available",
-    "quantized_model_init", "fp8_model_init",
+    "quantized_model_init", "fp8_model_init", "make_graphed_callables",
     "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
     "DotProductAttention", "MultiheadAttention", "TransformerLayer", "TransformerEngineBaseModule",
 ]

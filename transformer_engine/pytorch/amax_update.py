@@ -35,11 +35,12 @@ NOTE [Non-finite amaxes]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -47,9 +48,29 @@ from ..common.recipe import DelayedScaling, Recipe
 from . import quantize
 from .scaling import copy_before_write
 
-__all__ = ["AutocastSession", "update_sessions", "request_backward_update",
+__all__ = ["AutocastSession", "update_sessions", "request_backward_update", "observe_registrations",
            "collect_backward_updates", "count_non_finite", "non_finite_amax_count",
            "reset_non_finite_amax_count"]
+
+
+class _Observer(threading.local):
+    on_register: Optional[Callable[[dict], None]] = None
+
+
+_OBSERVER = _Observer()
+
+
+@contextlib.contextmanager
+def observe_registrations(callback: Callable[[dict], None]):
+    """Call ``callback(fp8_meta)`` whenever a module registers with a session on this
+    thread inside the block (before the module's first cast: CUDA graph warm-up uses
+    it to put back the FP8 state its iterations changed)."""
+    saved = _OBSERVER.on_register
+    _OBSERVER.on_register = callback
+    try:
+        yield
+    finally:
+        _OBSERVER.on_register = saved
 
 
 class _UpdateGroup:
@@ -73,6 +94,9 @@ class AutocastSession:
         self.groups: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
 
     def register(self, fp8_meta: dict, recipe: DelayedScaling, group) -> None:
+        observer = _OBSERVER.on_register
+        if observer is not None:
+            observer(fp8_meta)
         key = (recipe, group)
         found = self.groups.get(key)
         if found is None:

@@ -22,6 +22,7 @@ from .amax_update import collect_backward_updates
 from .fp8 import FP8GlobalStateManager
 from .recompute import RecomputeFrame, RecomputeStateError
 from .rng import CudaRNGStatesTracker, RngSnapshot
+from .utils import flatten_nested, rebuild_nested
 from .tensor_parallel import (chunk_numel, gather_split_1d_tensor, get_distributed_rank,
                               get_distributed_world_size, set_tensor_model_parallel_attributes,
                               split_tensor_into_1d_equal_chunks)
@@ -132,36 +133,6 @@ def _unflatten(flat: tuple, keys: tuple):
     return flat[:n], dict(zip(keys, flat[n:]))
 
 
-def _flatten_outputs(outputs) -> Tuple[list, Any]:
-    """The leaves of nested tuples, lists and dicts, and a spec to rebuild them."""
-    if isinstance(outputs, (tuple, list)) and not hasattr(outputs, "_fields"):
-        leaves, specs = [], []
-        for item in outputs:
-            sub, spec = _flatten_outputs(item)
-            leaves += sub
-            specs.append((len(sub), spec))
-        return leaves, (type(outputs), specs)
-    if isinstance(outputs, dict):
-        keys = list(outputs)
-        leaves, spec = _flatten_outputs([outputs[k] for k in keys])
-        return leaves, (dict, keys, spec)
-    return [outputs], None
-
-
-def _rebuild_outputs(leaves: list, spec):
-    if spec is None:
-        return leaves[0]
-    if spec[0] is dict:
-        _, keys, inner = spec
-        return dict(zip(keys, _rebuild_outputs(leaves, inner)))
-    kind, specs = spec
-    items, start = [], 0
-    for count, sub in specs:
-        items.append(_rebuild_outputs(leaves[start:start + count], sub))
-        start += count
-    return kind(items)
-
-
 def _no_grad_output_error() -> RuntimeError:
     return RuntimeError(
         "te.checkpoint: no output of the checkpointed function requires grad, so there is "
@@ -184,7 +155,7 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
             chunk_numel(first, distribute)     # fail before phase 1 touches any FP8 state
         with call.phase1(reentrant=True):
             outputs = call.function(*args, **kwargs)
-        leaves, spec = _flatten_outputs(outputs)
+        leaves, spec = flatten_nested(outputs)
         out_spec.append(spec)
         ctx.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
         ctx.inputs_require_grad = [flat[i].requires_grad for i in ctx.tensor_positions]
@@ -218,7 +189,7 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
             inputs.append(t)
         args, kwargs = _unflatten(tuple(flat), ctx.keys)
         with call.recompute(), torch.enable_grad():
-            outputs, _ = _flatten_outputs(call.function(*args, **kwargs))
+            outputs, _ = flatten_nested(call.function(*args, **kwargs))
         pairs = [(o, g) for o, g in zip(outputs, grads)
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
         if not pairs:
@@ -239,7 +210,7 @@ def _reentrant_checkpoint(function, tracker, context_fn, distribute, args, kwarg
     anchor = torch.empty(0, requires_grad=True) if torch.is_grad_enabled() else torch.empty(0)
     out_spec: list = []
     leaves = _ReentrantCheckpointFunction.apply(call, keys, distribute, out_spec, anchor, *flat)
-    return _rebuild_outputs(list(leaves), out_spec[0])
+    return rebuild_nested(list(leaves), out_spec[0])
 
 
 class _SavedInputs(torch.autograd.Function):
@@ -336,7 +307,7 @@ def _non_reentrant_checkpoint(function, tracker, context_fn, args, kwargs):
     with call.phase1(reentrant=False), torch.autograd.graph.saved_tensors_hooks(
             state.pack_phase1, state.unpack):
         outputs = function(*args, **kwargs)
-    leaves, _ = _flatten_outputs(outputs)
+    leaves, _ = flatten_nested(outputs)
     if not any(torch.is_tensor(t) and t.requires_grad for t in leaves):
         raise _no_grad_output_error()
     return outputs

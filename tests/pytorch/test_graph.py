@@ -1,0 +1,262 @@
+"""te.make_graphed_callables: graphed training steps equal eager ones bit for bit
+(losses, input and parameter gradients, every module's scale, scale_inv and amax
+history), with the FP8 updates captured inside the graphs (NOTE [Graphed FP8 state]);
+what cannot be captured fails at capture time with a clear error. Argument checks run
+on the CPU; the rest needs a CUDA GPU with FP8."""
+
+import copy
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from utils import HAS_CUDA_FP8, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+
+cuda_graphs = pytest.mark.skipif(not HAS_CUDA_FP8, reason="CUDA graphs with FP8 need a CUDA "
+                                                          "GPU with FP8 (compute capability 8.9+)")
+RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
+           pytest.param(Float8CurrentScaling(), id="current")]
+STEPS = 5
+
+
+# ---- arguments (CPU) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"enabled": 1}, TypeError, "enabled must be a bool, got 1"),
+    ({"recipe": "delayed"}, TypeError, "recipe must be a transformer_engine.common.recipe"),
+    ({"num_warmup_iters": -1}, ValueError, "num_warmup_iters must be an int >= 0"),
+    ({"enabled": True, "num_warmup_iters": 0}, ValueError, "must be >= 1 with FP8"),
+    ({"cache_quantized_params": True}, NotImplementedError, "cache_quantized_params"),
+    ({"_order": [1, -1]}, NotImplementedError, "interleaved pipeline-parallel"),
+], ids=["enabled-int", "recipe-str", "warmup-negative", "warmup-zero-fp8", "weight-cache",
+        "order"])
+def test_bad_arguments(kwargs, error, match):
+    lin = te.Linear(16, 16, device="cpu")
+    with pytest.raises(error, match=match):
+        te.make_graphed_callables(lin, (torch.randn(16, 16),), **kwargs)
+
+
+def test_deprecated_spellings_warn_and_must_agree():
+    lin = te.Linear(16, 16, device="cpu")
+    with pytest.warns(DeprecationWarning, match="fp8_enabled is deprecated; use enabled"):
+        with pytest.raises((RuntimeError, ValueError)):
+            te.make_graphed_callables(lin, (torch.randn(16, 16),), fp8_enabled=True,
+                                      fp8_recipe=DelayedScaling())
+    with pytest.warns(DeprecationWarning):
+        with pytest.raises(ValueError, match="enabled=False and its deprecated spelling "
+                                             "fp8_enabled=True disagree"):
+            te.make_graphed_callables(lin, (torch.randn(16, 16),), enabled=False,
+                                      fp8_enabled=True)
+
+
+def test_sample_args_must_match_the_callables():
+    lin = te.Linear(16, 16, device="cpu")
+    with pytest.raises(ValueError, match="one tuple of tensors per callable"):
+        te.make_graphed_callables((lin, lin), (torch.randn(16, 16),))
+    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple of tensors"):
+        te.make_graphed_callables(lin, (torch.randn(16, 16), 3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_cpu_only_machine_refuses_clearly():
+    lin = te.Linear(16, 16, device="cpu")
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        te.make_graphed_callables(lin, (torch.randn(16, 16),), enabled=True)
+
+
+# ---- eager equivalence (GPU) -------------------------------------------------------------
+
+def _build(kind):
+    torch.manual_seed(11)
+    kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
+    if kind == "Linear":
+        return te.Linear(64, 64, **kw), (32, 64)
+    if kind == "LayerNormMLP":
+        return te.LayerNormMLP(64, 128, **kw), (32, 64)
+    return te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                               self_attn_mask_type="causal", **kw), (16, 2, 64)
+
+
+def _inputs(shape, step):
+    g = torch.Generator(device="cuda").manual_seed(100 + step)
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * (1 + step)
+
+
+def _train(model, shape, run, steps=STEPS, accumulate=False):
+    """``run(model, x)`` for each step, loss backward, optimizer step; per step: loss,
+    input and parameter gradients, every TE module's FP8 state."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    te_modules = [m for m in model.modules() if hasattr(m, "fp8_meta")]
+    record = []
+    for step in range(steps):
+        x = _inputs(shape, step).requires_grad_()
+        y = run(model, x)
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        if accumulate:                      # a second micro-batch into the same .grad
+            y2 = run(model, _inputs(shape, step + 50).requires_grad_())
+            y2.float().pow(2).mean().backward()
+        record.append({"loss": loss.detach().clone(), "x_grad": x.grad.clone(),
+                       "grads": [p.grad.clone() for p in model.parameters()],
+                       "states": fp8_state_snapshot(te_modules)})
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
+def _assert_same(ref, got):
+    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert torch.equal(a["loss"], b["loss"]), f"step {step}: loss {a['loss']} vs {b['loss']}"
+        assert torch.equal(a["x_grad"], b["x_grad"]), f"step {step}: input gradient"
+        assert_tensors_equal(a["grads"], b["grads"], f"step {step}: parameter gradients")
+        assert_states_equal(a["states"], b["states"], f"step {step}: FP8 state")
+
+
+@cuda_graphs
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "TransformerLayer"])
+def test_graphed_steps_equal_eager_steps(kind, recipe):
+    model, shape = _build(kind)
+    eager_model = copy.deepcopy(model)
+
+    def eager(m, x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+
+    ref = _train(eager_model, shape, eager)
+    graphed = te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),),
+                                        enabled=True, recipe=recipe)
+    assert graphed is model
+    got = _train(model, shape, lambda m, x: m(x))
+    _assert_same(ref, got)
+    if recipe.delayed():
+        first = [m for m in model.modules() if hasattr(m, "fp8_meta")][0]
+        assert first.fp8_meta["scaling_fwd"].amax_history.count_nonzero() > 0
+
+
+@cuda_graphs
+def test_gradient_accumulation_into_grad():
+    """Two graphed backwards into the same .grad accumulate like eager ones (the graph's
+    static gradient buffers are not aliased by .grad)."""
+    recipe = DelayedScaling(amax_history_len=4)
+    model, shape = _build("Linear")
+    eager_model = copy.deepcopy(model)
+
+    def eager(m, x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+
+    ref = _train(eager_model, shape, eager, steps=3, accumulate=True)
+    te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
+                              recipe=recipe)
+    got = _train(model, shape, lambda m, x: m(x), steps=3, accumulate=True)
+    _assert_same(ref, got)
+
+
+class CheckpointedBlock(torch.nn.Module):
+    """Two layers, each checkpointed with the FP8 autocast opened inside the
+    checkpointed function: this project's pattern."""
+
+    def __init__(self, use_reentrant):
+        super().__init__()
+        kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
+        self.a, self.b = te.LayerNormMLP(64, 128, **kw), te.Linear(64, 64, **kw)
+        self.use_reentrant = use_reentrant
+        self.recipe = DelayedScaling(amax_history_len=4)
+
+    def _layer(self, layer, h):
+        with te.autocast(recipe=self.recipe):
+            return layer(h)
+
+    def forward(self, x):
+        h = te.checkpoint(self._layer, self.a, x, use_reentrant=self.use_reentrant)
+        return te.checkpoint(self._layer, self.b, torch.relu(h), use_reentrant=self.use_reentrant)
+
+
+@cuda_graphs
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpoint_inside_a_graphed_callable(use_reentrant):
+    torch.manual_seed(3)
+    model = CheckpointedBlock(use_reentrant)
+    eager_model = copy.deepcopy(model)
+    shape = (32, 64)
+    ref = _train(eager_model, shape, lambda m, x: m(x))
+    te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),))
+    got = _train(model, shape, lambda m, x: m(x))
+    _assert_same(ref, got)
+
+
+@cuda_graphs
+def test_tuple_of_callables_shares_one_pool():
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(5)
+    kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
+    a, b = te.Linear(64, 64, **kw), te.Linear(64, 64, **kw)
+    ea, eb = copy.deepcopy(a), copy.deepcopy(b)
+    x0 = _inputs((32, 64), 0).requires_grad_()
+    ga, gb = te.make_graphed_callables((a, b), ((x0,), (a(x0).detach().requires_grad_(),)),
+                                       enabled=True, recipe=recipe)
+
+    def run(pair, graphed):
+        def step(_, x):
+            if graphed:
+                return pair[1](pair[0](x))
+            with te.autocast(recipe=recipe):
+                return pair[1](pair[0](x))
+        return step
+    holder = torch.nn.ModuleList([ea, eb])
+    ref = _train(holder, (32, 64), run((ea, eb), False))
+    got = _train(torch.nn.ModuleList([ga, gb]), (32, 64), run((ga, gb), True))
+    _assert_same(ref, got)
+
+
+@cuda_graphs
+def test_eval_and_no_grad_run_eagerly():
+    recipe = DelayedScaling(amax_history_len=4)
+    model, shape = _build("Linear")
+    te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
+                              recipe=recipe)
+    x = _inputs(shape, 1)
+    with torch.no_grad():
+        y = model(x)
+        with te.autocast(recipe=recipe):
+            ref = model.eager(x) if hasattr(model, "eager") else model.forward.eager(x)
+    assert torch.equal(y, ref)
+
+
+# ---- what cannot be captured (GPU) ---------------------------------------------------------
+
+@cuda_graphs
+def test_cpu_sample_tensor_is_refused():
+    model, _ = _build("Linear")
+    with pytest.raises(RuntimeError, match=r"sample_args\[0\]\[0\] is on cpu"):
+        te.make_graphed_callables(model, (torch.randn(32, 64),), enabled=True)
+
+
+@cuda_graphs
+def test_host_sync_in_the_callable_fails_at_capture():
+    model, shape = _build("Linear")
+
+    def syncing(x):
+        y = model(x)
+        if y.float().sum().item() > 1e30:           # a host synchronization
+            y = y * 2
+        return y
+
+    with pytest.raises(RuntimeError, match="capturing the forward of callable 0 failed"):
+        te.make_graphed_callables(syncing, (_inputs(shape, 0).requires_grad_(),), enabled=True)
+
+
+@cuda_graphs
+def test_gloo_amax_group_is_refused():
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, shape = _build("Linear")
+        with pytest.raises(RuntimeError, match="'gloo' backend, whose collectives cannot be "
+                                               "captured"):
+            te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
+                                      amax_reduction_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()

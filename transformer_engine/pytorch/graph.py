@@ -1,0 +1,382 @@
+"""``te.make_graphed_callables``: CUDA graphs of a training forward and backward with
+the FP8 delayed-scaling updates captured inside them.
+
+NOTE [Graphed FP8 state]
+    Each callable gets a forward graph and a backward graph (one memory pool for all,
+    captured in call order, backwards in reverse). The forward is captured as an
+    outermost FP8 autocast with the given recipe (or, with FP8 off, with no autocast
+    around it, so that autocasts the callable opens itself are outermost): its amax
+    recording, and the forward update at the autocast's exit (all-reduce, new scales,
+    history roll), are device work inside the forward graph. The backward graph is
+    one ``torch.autograd.grad`` pass, at whose end the backward update runs (NOTE
+    [Delayed-scaling update order] in amax_update.py), so it is inside the backward
+    graph too. A replay therefore does what an eager training step of the callable
+    does, in place on the same state tensors, with no host work per module.
+    Warm-up iterations run eagerly before the capture and change the FP8 state;
+    every state a module registered during warm-up is put back afterwards (in place:
+    the graphs read those tensors), so the first replay starts where an eager run
+    would. A graphed callable runs its graphs only in a training forward (grad
+    enabled, module in training mode); otherwise it runs eagerly under the same FP8
+    setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..common.recipe import Recipe
+from .amax_update import observe_registrations
+from .fp8 import FP8GlobalStateManager, _AutocastState, autocast
+from .scaling import ScalingState
+from .utils import flatten_nested, rebuild_nested
+
+__all__ = ["make_graphed_callables"]
+
+_UNSET = object()
+_API = "te.make_graphed_callables"
+
+
+def _resolve(new_name: str, new, old_name: str, old, default):
+    """A TE argument that has a new and a deprecated spelling."""
+    if old is not _UNSET:
+        warnings.warn(f"{_API}: {old_name} is deprecated; use {new_name}",
+                      DeprecationWarning, stacklevel=3)
+        if new is not _UNSET and new != old:
+            raise ValueError(f"{_API}: {new_name}={new!r} and its deprecated spelling "
+                             f"{old_name}={old!r} disagree; pass only {new_name}")
+        return old
+    return default if new is _UNSET else new
+
+
+def _check_group(group) -> None:
+    if group is None:
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        group = dist.group.WORLD
+    dist = torch.distributed
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{_API}: amax_reduction_group must be a torch.distributed.ProcessGroup "
+                        f"or None, got {type(group).__name__}")
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        raise RuntimeError(f"{_API}: the amax reduction group uses the {backend!r} backend, whose "
+                           "collectives cannot be captured in a CUDA graph; use an NCCL group "
+                           "(or reduce_amax=False in the recipe)")
+
+
+def _normalize(modules, sample_args, sample_kwargs):
+    single = not isinstance(modules, tuple)
+    callables = (modules,) if single else modules
+    args = (sample_args,) if single else sample_args
+    if not isinstance(args, tuple) or len(args) != len(callables):
+        raise ValueError(f"{_API}: sample_args must hold one tuple of tensors per callable "
+                         f"({len(callables)}), got {type(sample_args).__name__}")
+    if sample_kwargs is None:
+        kwargs = tuple({} for _ in callables)
+    else:
+        kwargs = (sample_kwargs,) if single else sample_kwargs
+        if not (isinstance(kwargs, tuple) and len(kwargs) == len(callables)
+                and all(isinstance(k, dict) for k in kwargs)):
+            raise ValueError(f"{_API}: sample_kwargs must hold one dict per callable, "
+                             f"got {type(sample_kwargs).__name__}")
+    for i, (fn, a, k) in enumerate(zip(callables, args, kwargs)):
+        if not callable(fn):
+            raise TypeError(f"{_API}: callable {i} is not callable: {type(fn).__name__}")
+        if not isinstance(a, tuple) or not all(torch.is_tensor(t) for t in a):
+            raise TypeError(f"{_API}: sample_args[{i}] must be a tuple of tensors, got "
+                            f"{[type(t).__name__ for t in a] if isinstance(a, tuple) else a!r}")
+        bad = [name for name, v in k.items() if not torch.is_tensor(v)]
+        if bad:
+            raise TypeError(f"{_API}: sample_kwargs[{i}] values must be tensors; {bad} are not")
+    return single, callables, args, kwargs
+
+
+def _check_devices(callables, args, kwargs) -> None:
+    for i, (fn, a, k) in enumerate(zip(callables, args, kwargs)):
+        for what, t in [(f"sample_args[{i}][{j}]", t) for j, t in enumerate(a)] + \
+                [(f"sample_kwargs[{i}][{n!r}]", t) for n, t in k.items()]:
+            if not t.is_cuda:
+                raise RuntimeError(f"{_API}: {what} is on {t.device}; a CUDA graph can only "
+                                   "take CUDA tensors")
+        if isinstance(fn, torch.nn.Module):
+            for name, p in fn.named_parameters():
+                if not p.is_cuda:
+                    raise RuntimeError(f"{_API}: parameter {name!r} of callable {i} is on "
+                                       f"{p.device}; move the module to CUDA first")
+
+
+class _StateRestorer:
+    """Copies of every FP8 state registered during warm-up, put back in place after."""
+
+    def __init__(self):
+        self.saved: Dict[int, List[Tuple[ScalingState, ScalingState]]] = {}
+
+    def observe(self, fp8_meta: dict) -> None:
+        if id(fp8_meta) in self.saved:
+            return
+        self.saved[id(fp8_meta)] = [(s, s.clone()) for s in (fp8_meta.get("scaling_fwd"),
+                                                             fp8_meta.get("scaling_bwd"))
+                                    if s is not None]
+
+    def restore(self) -> None:
+        for pairs in self.saved.values():
+            for live, copy in pairs:
+                for name in ("scale", "scale_inv", "amax_history"):
+                    getattr(live, name).copy_(getattr(copy, name))
+
+
+class _FP8Setting:
+    """How each forward of a graphed callable runs FP8: as an outermost autocast."""
+
+    def __init__(self, enabled: bool, calibrating: bool, recipe: Optional[Recipe], group):
+        self.enabled, self.calibrating, self.recipe, self.group = enabled, calibrating, recipe, group
+
+    @contextlib.contextmanager
+    def outermost(self):
+        saved = FP8GlobalStateManager.get_fp8_autocast_state()
+        FP8GlobalStateManager.set_fp8_autocast_state(_AutocastState())
+        try:
+            if self.enabled or self.calibrating:
+                with autocast(enabled=self.enabled, calibrating=self.calibrating,
+                              recipe=self.recipe, amax_reduction_group=self.group):
+                    yield
+            else:
+                yield
+        finally:
+            FP8GlobalStateManager.set_fp8_autocast_state(saved)
+
+
+def _grad_inputs(fn, args: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    params = tuple(fn.parameters()) if isinstance(fn, torch.nn.Module) else ()
+    return tuple(args) + params
+
+
+def _backward(outputs, inputs, grad_outputs, allow_unused: bool, retain_graph: bool):
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
+    wanted = [t for t in inputs if t.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                allow_unused=allow_unused, retain_graph=retain_graph)
+    found = iter(grads)
+    return tuple(next(found) if t.requires_grad else None for t in inputs)
+
+
+class _GraphedCallable:
+    """One captured callable: static inputs and outputs, its two graphs, and the
+    autograd Function that replays them."""
+
+    def __init__(self, fn, args, kwargs, setting: _FP8Setting):
+        self.fn, self.setting = fn, setting
+        # the module's own forward, for eager calls once ``forward`` is this object
+        self.eager = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        self.keys = tuple(kwargs)
+        self.static_inputs = tuple(args) + tuple(kwargs[k] for k in self.keys)
+        self.grad_inputs = _grad_inputs(fn, self.static_inputs)
+        self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.out_spec = None
+        self.static_outputs: Tuple[torch.Tensor, ...] = ()
+        self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
+
+    def run_forward(self):
+        n = len(self.static_inputs) - len(self.keys)
+        with self.setting.outermost():
+            out = self.fn(*self.static_inputs[:n],
+                          **dict(zip(self.keys, self.static_inputs[n:])))
+        return out
+
+    def capture_forward(self, pool) -> None:
+        with torch.cuda.graph(self.fwd_graph, pool=pool):
+            out = self.run_forward()
+        leaves, self.out_spec = flatten_nested(out)
+        if not all(torch.is_tensor(t) for t in leaves):
+            raise TypeError(f"{_API}: a graphed callable must return tensors (in tuples, lists "
+                            f"or dicts), got {[type(t).__name__ for t in leaves]}")
+        self.static_outputs = tuple(leaves)
+
+    def capture_backward(self, pool, allow_unused: bool, retain_graph: bool) -> None:
+        self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
+                                         for o in self.static_outputs)
+        with torch.cuda.graph(self.bwd_graph, pool=pool):
+            self.static_grad_inputs = _backward(self.static_outputs, self.grad_inputs,
+                                                self.static_grad_outputs, allow_unused,
+                                                retain_graph)
+
+    def function(self):
+        graphed = self
+
+        class Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                for static, given in zip(graphed.static_inputs, inputs):
+                    if static.data_ptr() != given.data_ptr():
+                        static.copy_(given)
+                graphed.fwd_graph.replay()
+                return tuple(o.detach() for o in graphed.static_outputs)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *grads):
+                for static, g in zip(graphed.static_grad_outputs, grads):
+                    if static is not None:
+                        if g is None:
+                            static.zero_()
+                        elif static.data_ptr() != g.data_ptr():
+                            static.copy_(g)
+                graphed.bwd_graph.replay()
+                return tuple(None if g is None else g.detach() for g in graphed.static_grad_inputs)
+
+        return Graphed
+
+    def __call__(self, *args, **kwargs):
+        training = self.fn.training if isinstance(self.fn, torch.nn.Module) else True
+        if not (training and torch.is_grad_enabled()):
+            with self.setting.outermost():
+                return self.eager(*args, **kwargs)
+        if tuple(kwargs) != self.keys or len(args) + len(kwargs) != len(self.static_inputs):
+            raise TypeError(f"{_API}: a graphed callable must be called with the positional "
+                            f"and keyword tensor arguments it was captured with "
+                            f"({len(self.static_inputs) - len(self.keys)} positional, keywords "
+                            f"{list(self.keys)}), got {len(args)} positional and {list(kwargs)}")
+        inputs = tuple(args) + tuple(kwargs[k] for k in self.keys)
+        for static, given in zip(self.static_inputs, inputs):
+            if not torch.is_tensor(given) or given.shape != static.shape \
+                    or given.dtype != static.dtype or given.device != static.device:
+                raise ValueError(f"{_API}: a graphed callable needs inputs of the captured "
+                                 f"shape, dtype and device ({tuple(static.shape)}, {static.dtype},"
+                                 f" {static.device}), got {_describe(given)}")
+        params = self.grad_inputs[len(self.static_inputs):]
+        leaves = self.function().apply(*inputs, *params)
+        return rebuild_nested(list(leaves), self.out_spec)
+
+
+def _describe(t) -> str:
+    if not torch.is_tensor(t):
+        return type(t).__name__
+    return f"({tuple(t.shape)}, {t.dtype}, {t.device})"
+
+
+def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
+                           allow_unused_input: bool = False, sample_kwargs=None,
+                           fp8_enabled=_UNSET, fp8_calibrating=_UNSET, fp8_recipe=_UNSET,
+                           fp8_group=_UNSET, fp8_weight_caching=_UNSET, _order=None, pool=None,
+                           retain_graph_in_backward: bool = False, *, enabled=_UNSET,
+                           calibrating=_UNSET, recipe=_UNSET, amax_reduction_group=_UNSET,
+                           cache_quantized_params=_UNSET):
+    """Capture callables' training forward and backward as CUDA graphs, with FP8 state
+    updates inside the graphs (NOTE [Graphed FP8 state]).
+
+    Parameters
+    ----------
+    modules : callable or tuple of callables
+        ``nn.Module``\\ s or functions; a tuple shares one memory pool and must be in
+        the order the callables run. A module's parameters get gradients as usual; a
+        function's tensors other than its arguments do not.
+    sample_args : tuple of tensors, or a tuple of such tuples (one per callable)
+        CUDA tensors of the shapes and dtypes every later call passes.
+    num_warmup_iters : int, default 3
+        Eager iterations before the capture (at least 1 with FP8 or calibration).
+    allow_unused_input : bool, default False
+        Passed to ``torch.autograd.grad`` in the captured backward.
+    sample_kwargs : dict of tensors, or a tuple of such dicts, optional
+    enabled, calibrating, recipe, amax_reduction_group : as ``te.autocast``'s, for
+        every forward of the graphed callables (FP8 off by default). The older
+        ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group`` still work,
+        with a ``DeprecationWarning``.
+    cache_quantized_params (``fp8_weight_caching``) : bool
+        Not implemented: True raises ``NotImplementedError``.
+    pool : optional
+        A memory pool handle (``torch.cuda.graph_pool_handle()``) to capture into.
+    retain_graph_in_backward : bool, default False
+        Keep the captured autograd graph for a second backward inside the capture.
+
+    Returns
+    -------
+    The graphed callable, or a tuple of them in the order given. A graphed module
+    keeps its parameters; its ``forward`` replays the graphs in training mode with
+    grad enabled, and runs eagerly otherwise.
+    """
+    enabled = _resolve("enabled", enabled, "fp8_enabled", fp8_enabled, False)
+    calibrating = _resolve("calibrating", calibrating, "fp8_calibrating", fp8_calibrating, False)
+    recipe = _resolve("recipe", recipe, "fp8_recipe", fp8_recipe, None)
+    group = _resolve("amax_reduction_group", amax_reduction_group, "fp8_group", fp8_group, None)
+    cache = _resolve("cache_quantized_params", cache_quantized_params, "fp8_weight_caching",
+                     fp8_weight_caching, False)
+    for name, value in (("enabled", enabled), ("calibrating", calibrating),
+                        ("allow_unused_input", allow_unused_input),
+                        ("retain_graph_in_backward", retain_graph_in_backward),
+                        ("cache_quantized_params", cache)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{_API}: {name} must be a bool, got {value!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"{_API}: recipe must be a transformer_engine.common.recipe.Recipe or "
+                        f"None, got {type(recipe).__name__}")
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) \
+            or num_warmup_iters < 0:
+        raise ValueError(f"{_API}: num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    if (enabled or calibrating) and num_warmup_iters < 1:
+        raise ValueError(f"{_API}: num_warmup_iters must be >= 1 with FP8 or calibration (the "
+                         "FP8 state is created by the first eager forward), got 0")
+    if cache:
+        raise NotImplementedError(f"{_API}: cache_quantized_params (fp8_weight_caching) is not "
+                                  "implemented: FP8 weights are cast in every forward")
+    if _order is not None:
+        raise NotImplementedError(f"{_API}: _order (interleaved pipeline-parallel capture) is "
+                                  "not implemented")
+    single, callables, args, kwargs = _normalize(modules, sample_args, sample_kwargs)
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{_API}: CUDA graphs need a CUDA device, and none is available")
+    _check_devices(callables, args, kwargs)
+    if enabled or calibrating:
+        _check_group(group)
+    setting = _FP8Setting(enabled, calibrating, recipe, group)
+    graphed = [_GraphedCallable(fn, a, k, setting) for fn, a, k in zip(callables, args, kwargs)]
+    _warm_up(graphed, num_warmup_iters, allow_unused_input)
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    torch.cuda.synchronize()
+    for i, g in enumerate(graphed):
+        _capturing(i, "forward", g.capture_forward, pool)
+    for i, g in reversed(list(enumerate(graphed))):
+        _capturing(i, "backward", g.capture_backward, pool, allow_unused_input,
+                   retain_graph_in_backward)
+    torch.cuda.synchronize()
+    results = []
+    for g in graphed:
+        if isinstance(g.fn, torch.nn.Module):
+            g.fn.forward = g
+            results.append(g.fn)
+        else:
+            results.append(g)
+    return results[0] if single else tuple(results)
+
+
+def _warm_up(graphed: List[_GraphedCallable], iters: int, allow_unused: bool) -> None:
+    """Eager iterations on a side stream (allocations, autotuning, FP8 state creation),
+    then every FP8 state they changed put back."""
+    restorer = _StateRestorer()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), observe_registrations(restorer.observe):
+        for _ in range(iters):
+            for g in graphed:
+                leaves, _ = flatten_nested(g.run_forward())
+                outs = [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
+                _backward(outs, g.grad_inputs, [torch.ones_like(o) for o in outs],
+                          allow_unused, False)
+    torch.cuda.current_stream().wait_stream(stream)
+    restorer.restore()
+
+
+def _capturing(index: int, what: str, capture: Callable, *args: Any) -> None:
+    try:
+        capture(*args)
+    except (RuntimeError, TypeError) as err:
+        raise RuntimeError(
+            f"{_API}: capturing the {what} of callable {index} failed: {err}. A CUDA graph "
+            "cannot hold host work that waits for the GPU (.item(), .cpu(), printing a CUDA "
+            "tensor, a data-dependent shape), CPU tensors, or collectives of a non-NCCL "
+            "group.") from err
