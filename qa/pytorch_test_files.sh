@@ -3,6 +3,8 @@
 # shellcheck disable=SC2034
 TESTS=(
     tests/pytorch/test_recipe.py
+    tests/pytorch/test_bad_input.py
+    tests/pytorch/test_extra_state.py
     tests/pytorch/test_quantize.py
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py

@@ -1,11 +1,15 @@
-"""Recipes: defaults as TE has them, formats, and validation that names the field."""
+"""Recipes: defaults as TE has them, formats, the margin bound, and callable algorithms
+in the update (bad values of every field: test_bad_input.py)."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling,
+                                              Float8CurrentScaling, Format, max_margin)
+from transformer_engine.pytorch import quantize
 
 
 def test_format_maxima_and_dtypes():
@@ -36,27 +40,55 @@ def test_recipes_are_frozen_and_hashable():
     assert hash(r) == hash(DelayedScaling(margin=1)) and r == DelayedScaling(margin=1)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"margin": -1}, ValueError, "margin must be >= 0, got -1"),
-    ({"margin": 1.5}, TypeError, "margin must be an int"),
-    ({"amax_history_len": 0}, ValueError, "amax_history_len must be >= 1, got 0"),
-    ({"amax_history_len": "8"}, TypeError, "amax_history_len must be an int"),
-    ({"amax_compute_algo": "mean"}, ValueError, "amax_compute_algo must be one of"),
-    ({"scaling_factor_compute_algo": 3}, TypeError, "scaling_factor_compute_algo must be callable"),
-    ({"fp8_format": "HYBRID"}, TypeError, "fp8_format must be"),
-    ({"fp8_format": Format.E5M2}, ValueError, "E5M2 is not supported for training"),
-    ({"reduce_amax": 1}, TypeError, "reduce_amax must be a bool"),
-], ids=lambda v: v if isinstance(v, str) else None)
-def test_delayed_scaling_validation(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        DelayedScaling(**kwargs)
+# Bad values for every recipe field: tests/pytorch/test_bad_input.py.
+
+@pytest.mark.parametrize("fmt, bound", [(Format.HYBRID, 6), (Format.E4M3, 6), (Format.E5M2, 13)],
+                         ids=lambda v: v.name if isinstance(v, Format) else None)
+def test_max_margin_is_the_tight_bound(fmt, bound):
+    """At the bound the update's scale for the largest float32 amax is a positive normal
+    float32 (and so is finite after 1 / scale); one more and it is not, for the
+    tighter of the format's two FP8 types."""
+    assert max_margin(fmt) == bound
+    amax = torch.tensor([torch.finfo(torch.float32).max])
+    tiny = torch.finfo(torch.float32).tiny
+    spec = fmt.value
+    for fp8_max in (spec.max_fwd, spec.max_bwd):
+        scale = quantize.scale_from_amax(amax, torch.ones(1), fp8_max, bound)
+        assert scale.item() >= tiny and torch.isfinite(torch.reciprocal(scale)).all()
+    tighter = min(spec.max_fwd, spec.max_bwd)
+    assert quantize.scale_from_amax(amax, torch.ones(1), tighter, bound + 1).item() < tiny
+    if fmt is not Format.E5M2:
+        DelayedScaling(fp8_format=fmt, margin=bound)         # the bound itself is accepted
 
 
-def test_current_scaling_validation():
-    with pytest.raises(ValueError, match="Float8CurrentScaling: fp8_format=Format.E5M2"):
-        Float8CurrentScaling(fp8_format=Format.E5M2)
+def test_history_length_bound_is_accepted():
+    assert DelayedScaling(amax_history_len=MAX_AMAX_HISTORY_LEN).amax_history_len == 65536
 
 
-def test_callable_amax_algo_accepted():
-    r = DelayedScaling(amax_compute_algo=lambda h: h.mean(0))
-    assert callable(r.amax_compute_algo)
+def _one_step(recipe, x):
+    m = te.Linear(16, 16, bias=False, device="cpu")
+    with te.autocast(recipe=recipe):
+        m(x)
+    return m
+
+
+def test_callable_amax_algo_is_used_in_the_update():
+    """The new scale comes from the callable's amax: 4 x max|x| gives a scale 4 times
+    smaller than "max" would, per tensor, as float64 computes it."""
+    x = torch.randn(16, 16)
+    m = _one_step(DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: 4 * h.amax(0)), x)
+    amaxes = torch.stack([x.abs().max(), m.weight.detach().abs().max()]).double()
+    expect = (448.0 / (4 * amaxes)).float()
+    torch.testing.assert_close(m.fp8_meta["scaling_fwd"].scale, expect, rtol=2 ** -23, atol=0)
+    plain = _one_step(DelayedScaling(amax_history_len=2), x).fp8_meta["scaling_fwd"].scale
+    assert not torch.equal(m.fp8_meta["scaling_fwd"].scale, plain)
+
+
+def test_scaling_factor_callable_result_is_converted_to_float32():
+    """A valid result of another real dtype is used, as float32, with 1 / scale."""
+    recipe = DelayedScaling(amax_history_len=2, scaling_factor_compute_algo=lambda amax, scale, mx, r:
+                            torch.full(amax.shape, 0.25, dtype=torch.float64))
+    state = _one_step(recipe, torch.randn(16, 16)).fp8_meta["scaling_fwd"]
+    assert state.scale.dtype == torch.float32
+    assert torch.equal(state.scale, torch.full((2,), 0.25))
+    assert torch.equal(state.scale_inv, torch.full((2,), 4.0))

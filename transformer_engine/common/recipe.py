@@ -8,12 +8,14 @@ between modules and autocast regions.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
+__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "max_margin",
+           "MAX_AMAX_HISTORY_LEN"]
 
 
 class _FormatSpec(NamedTuple):
@@ -39,6 +41,35 @@ class Format(enum.Enum):
 
 
 _AMAX_ALGOS = ("max", "most_recent")
+
+# The longest amax history a recipe may ask for: 64 times TE's default of 1024. The
+# history is ``[amax_history_len, n]`` float32 per module and every update copies all
+# of it (the roll), so its cost grows with the length at every step; and an amax from
+# tens of thousands of steps ago no longer says anything about today's tensors. A length
+# near 2**62 would only fail later, deep inside torch, when the buffer is allocated.
+MAX_AMAX_HISTORY_LEN = 1 << 16
+
+_FP32 = torch.finfo(torch.float32)
+
+
+def max_margin(fp8_format: Format) -> int:
+    """The largest ``margin`` that keeps every delayed scale of ``fp8_format`` a
+    positive normal float32, whatever amax the history holds.
+
+    The history is float32 and only finite amaxes make a new scale, so
+    ``0 < amax <= FP32_MAX``. The scale ``(fp8_max / amax) / 2**margin`` is smallest
+    at ``amax = FP32_MAX``; it stays at least the smallest normal float32 ``TINY``
+    (``2**-126``; below it the scale is subnormal, ``1 / scale`` overflows to inf, and a
+    little further it rounds to 0: NaN outputs) while
+    ``2**margin <= fp8_max / (FP32_MAX * TINY)``, i.e.
+    ``margin <= floor(log2(fp8_max) - log2(FP32_MAX) + 126)``:
+    6 for E4M3 (max 448 = 2**8.81), 13 for E5M2 (max 57344 = 2**15.81). A format
+    pair takes the smaller of its forward and backward bounds (6 for HYBRID). A small
+    amax only makes the scale larger; that end is clamped to FP32_MAX by the update.
+    """
+    spec = fp8_format.value
+    fp8_max = min(spec.max_fwd, spec.max_bwd)
+    return math.floor(math.log2(fp8_max / _FP32.max / _FP32.tiny))
 
 
 class Recipe:
@@ -70,15 +101,20 @@ class DelayedScaling(Recipe):
     Parameters
     ----------
     margin : int, default 0
-        The scale is ``(fp8_max / amax) / 2**margin``; must be >= 0.
+        The scale is ``(fp8_max / amax) / 2**margin``; must be in ``[0, max_margin(fp8_format)]``
+        (6 for HYBRID and E4M3), so that the scale stays a positive normal float32.
     fp8_format : Format, default Format.HYBRID
     amax_history_len : int, default 1024
-        Number of past amaxes kept per tensor; must be >= 1.
+        Number of past amaxes kept per tensor; in ``[1, MAX_AMAX_HISTORY_LEN]`` (65536).
     amax_compute_algo : "max" | "most_recent" | callable, default "max"
         How the amax used for the new scale is taken from the history. A callable
-        receives the history ``[amax_history_len, n]`` and returns ``[n]``.
+        receives the history ``[amax_history_len, n]`` and returns ``[n]`` amaxes
+        (finite and >= 0; checked at each update).
     scaling_factor_compute_algo : callable, optional
-        ``f(amax, scale, fp8_max, recipe) -> new_scale`` replacing the default formula.
+        ``f(amax, scale, fp8_max, recipe) -> new_scale`` replacing the default formula;
+        it must return ``[n]`` finite scales of at least the smallest normal float32
+        (checked at each update: it also sees amaxes of 0, where the default formula
+        keeps the old scale).
     reduce_amax : bool, default True
         All-reduce amaxes (MAX) over the FP8 group before each update.
     """
@@ -99,10 +135,17 @@ class DelayedScaling(Recipe):
         if self.margin < 0:
             raise ValueError(f"{name}: margin must be >= 0, got {self.margin}")
         _check_format(name, self.fp8_format)
+        limit = max_margin(self.fp8_format)
+        if self.margin > limit:
+            raise ValueError(f"{name}: margin must be <= {limit} for "
+                             f"fp8_format=Format.{self.fp8_format.name}, got {self.margin}: the "
+                             "scale (fp8_max / amax) / 2**margin would underflow float32 for "
+                             "large amaxes (a zero scale gives NaN outputs)")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int):
             raise TypeError(f"{name}: amax_history_len must be an int, got {self.amax_history_len!r}")
-        if self.amax_history_len < 1:
-            raise ValueError(f"{name}: amax_history_len must be >= 1, got {self.amax_history_len}")
+        if not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY_LEN:
+            raise ValueError(f"{name}: amax_history_len must be in [1, {MAX_AMAX_HISTORY_LEN}], "
+                             f"got {self.amax_history_len}")
         if not callable(self.amax_compute_algo) and self.amax_compute_algo not in _AMAX_ALGOS:
             raise ValueError(f"{name}: amax_compute_algo must be one of {_AMAX_ALGOS} or a "
                              f"callable, got {self.amax_compute_algo!r}")

@@ -172,7 +172,8 @@ def _custom_update(histories, scales, scale_invs, max_value: float, recipe: Dela
     amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
     new_scale = recipe.scaling_factor_compute_algo(
         amax_value, scale, torch.full_like(scale, max_value), recipe)
-    new_scale = torch.where(finite, quantize.check_computed_scale(new_scale, scale), scale)
+    new_scale = torch.where(finite, quantize.check_computed_scale(new_scale, scale, amax_value),
+                            scale)
     torch._foreach_copy_(
         [t for group in (scales, scale_invs, histories) for t in group],
         list(new_scale.split(sizes)) + list(torch.reciprocal(new_scale).split(sizes))

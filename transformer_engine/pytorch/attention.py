@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from . import distributed
 from .module.base import default_device
-from .module.layernorm import check_positive_int
+from .fp8 import FP8GlobalStateManager
+from .module.layernorm import check_eps, check_positive_int
 from .module.layernorm_linear import LayerNormLinear, pack_outputs
-from .module.linear import Linear, check_params_dtype
+from .module.linear import Linear, check_input_dtype, check_params_dtype
 
 __all__ = ["DotProductAttention", "MultiheadAttention", "MASK_TYPES", "QKV_FORMATS"]
 
@@ -41,6 +42,16 @@ def check_dropout(api: str, name: str, p) -> float:
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
         raise ValueError(f"{api}: {name} must be a float in [0, 1), got {p!r}")
     return float(p)
+
+
+def check_hidden_states_dtype(api: str, hidden_states: torch.Tensor,
+                              weight: torch.Tensor) -> None:
+    """A floating-point input that the first GEMM can take (`check_input_dtype`),
+    checked where the user called, so the error names that API."""
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"{api}: hidden_states must be a floating-point tensor, got dtype "
+                        f"{hidden_states.dtype}")
+    check_input_dtype(api, hidden_states, weight, FP8GlobalStateManager.is_fp8_enabled())
 
 
 def _padding_mask(api: str, mask, batch: int, seq: int, which: str, device) -> torch.Tensor:
@@ -151,7 +162,12 @@ class DotProductAttention(torch.nn.Module):
                             f"CudaRNGStatesTracker, got {type(get_rng_state_tracker).__name__}")
         self.get_rng_state_tracker = get_rng_state_tracker
         self.layer_number = layer_number
-        self.softmax_scale = (softmax_scale if softmax_scale is not None
+        if softmax_scale is not None and (
+                isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                or not math.isfinite(softmax_scale) or not softmax_scale > 0):
+            raise ValueError(f"{api}: softmax_scale must be None or a finite positive float, "
+                             f"got {softmax_scale!r}")
+        self.softmax_scale = (float(softmax_scale) if softmax_scale is not None
                               else 1.0 / math.sqrt(kv_channels))
 
     def _check_qkv(self, api: str, fmt: str, q, k, v) -> None:
@@ -164,6 +180,12 @@ class DotProductAttention(torch.nn.Module):
                 layout = "[seq, batch, heads, d]" if fmt == "sbhd" else "[batch, seq, heads, d]"
                 raise ValueError(f"{api}: {name} must be {layout} ({fmt}) with {heads} heads "
                                  f"of size d={self.kv_channels}, got shape {tuple(t.shape)}")
+        if not q.is_floating_point() or not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"{api}: query_layer, key_layer and value_layer must be floating-point "
+                            f"tensors of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"{api}: query_layer, key_layer and value_layer must be on one "
+                             f"device, got {q.device}, {k.device}, {v.device}")
         b_dim = 1 if fmt == "sbhd" else 0
         if not (q.shape[b_dim] == k.shape[b_dim] == v.shape[b_dim]) or k.shape != v.shape:
             raise ValueError(f"{api}: query, key and value disagree on batch or key/value "
@@ -293,6 +315,7 @@ class MultiheadAttention(torch.nn.Module):
         if return_layernorm_output and not input_layernorm:
             raise ValueError(f"{api}: return_layernorm_output=True needs input_layernorm=True "
                              "(there is no normalization output otherwise)")
+        check_eps(api, layernorm_epsilon, "layernorm_epsilon")
         check_params_dtype(api, params_dtype)
         device = default_device(device)
         # DotProductAttention validates heads, groups, dropout, mask type and format.
@@ -339,6 +362,7 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(f"{api}: hidden_states must be a 3-D tensor "
                              f"({self.core_attention.qkv_format[0]}, "
                              f"{self.core_attention.qkv_format[1]}, hidden), got {got}")
+        check_hidden_states_dtype(api, hidden_states, self.proj.weight)
         ln_out = None
         if self.input_layernorm:
             mixed = self.layernorm_qkv(hidden_states)

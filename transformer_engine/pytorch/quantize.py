@@ -49,13 +49,14 @@ from .kernel_config import get_kernel_config
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
     "current_scale", "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
-    "roll_amax_history", "sanitize_live_amax", "check_computed_scale", "delayed_scaling_update",
-    "delayed_scaling_update_",
+    "roll_amax_history", "resize_amax_history", "sanitize_live_amax", "check_computed_scale",
+    "delayed_scaling_update", "delayed_scaling_update_",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP32_MAX = torch.finfo(torch.float32).max
+_FP32_TINY = torch.finfo(torch.float32).tiny     # smallest normal float32
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ---- dispatch to the fused kernels (NOTE [Fused casts]) ---------------------------
@@ -285,12 +286,53 @@ def amax_from_history(history: torch.Tensor, algo) -> torch.Tensor:
         return history.amax(dim=0)
     if algo == "most_recent":
         return history[0].clone()
-    out = algo(history)
-    if not isinstance(out, torch.Tensor) or out.shape != history.shape[1:]:
-        raise ValueError("DelayedScaling.amax_compute_algo: a callable must return a tensor "
-                         f"of shape {tuple(history.shape[1:])}, got "
-                         f"{getattr(out, 'shape', type(out))}")
-    return out.to(torch.float32)
+    # The update hands over a finite, non-negative history (NOTE [Non-finite amaxes] in
+    # amax_update.py), so a result that is not is the callable's error. One host sync:
+    # only custom algorithms pay it.
+    amax_value = _algo_result("amax_compute_algo", algo(history), history[0])
+    bad = ~torch.isfinite(amax_value) | (amax_value < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"DelayedScaling.amax_compute_algo: the callable returned "
+                         f"{amax_value[i].item()} for tensor {i}; an amax must be finite "
+                         "and >= 0")
+    return amax_value
+
+
+def _algo_result(field: str, out, like: torch.Tensor) -> torch.Tensor:
+    """The result of a recipe's callable ``field`` as float32 on ``like``'s device,
+    after checking that it is a real tensor shaped like ``like``."""
+    api = f"DelayedScaling.{field}"
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{api}: the callable must return a torch.Tensor of shape "
+                        f"{tuple(like.shape)}, got {type(out).__name__}")
+    if out.dtype == torch.bool or out.dtype.is_complex:
+        raise TypeError(f"{api}: the callable must return a real-valued tensor (it is "
+                        f"converted to float32), got dtype {out.dtype}")
+    if out.shape != like.shape:
+        raise ValueError(f"{api}: the callable must return a tensor of shape "
+                         f"{tuple(like.shape)} (one value per tensor), got {tuple(out.shape)}")
+    return out.detach().to(device=like.device, dtype=torch.float32)
+
+
+def check_computed_scale(out, scale: torch.Tensor,
+                         amax_value: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The result of ``DelayedScaling.scaling_factor_compute_algo`` for ``scale [n]``,
+    as float32, checked: shape ``[n]``, finite, and at least the smallest normal
+    float32 (so that ``1 / scale`` is finite too and FP8 data never meets a zero
+    scale). ``amax_value`` is what the callable was given, named in the error. Reads
+    the values on the host (one sync: only custom algorithms pay it)."""
+    new_scale = _algo_result("scaling_factor_compute_algo", out, scale)
+    bad = ~torch.isfinite(new_scale) | (new_scale < _FP32_TINY)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        amax_note = "" if amax_value is None else f" (its amax was {amax_value[i].item()})"
+        raise ValueError(f"DelayedScaling.scaling_factor_compute_algo: the callable returned "
+                         f"{new_scale[i].item()} for tensor {i}{amax_note}; a scale must be "
+                         f"finite and >= {_FP32_TINY} "
+                         "(the smallest normal float32); keep the old scale where amax is 0 "
+                         "or not finite, as the default formula does")
+    return new_scale
 
 
 def scale_from_amax(amax_value: torch.Tensor, scale: torch.Tensor, max_value: float,
@@ -318,20 +360,19 @@ def sanitize_live_amax(history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tenso
     return clean, finite
 
 
-def check_computed_scale(new_scale, scale: torch.Tensor) -> torch.Tensor:
-    """The result of a recipe's ``scaling_factor_compute_algo``, checked: a float
-    tensor shaped like ``scale`` with finite, positive values, as float32."""
-    name = "DelayedScaling.scaling_factor_compute_algo"
-    if not isinstance(new_scale, torch.Tensor) or new_scale.shape != scale.shape:
-        raise ValueError(f"{name} must return a tensor of shape {tuple(scale.shape)}, got "
-                         f"{getattr(new_scale, 'shape', type(new_scale).__name__)}")
-    if not new_scale.is_floating_point():
-        raise ValueError(f"{name} must return a floating-point tensor, got {new_scale.dtype}")
-    new_scale = new_scale.to(torch.float32)
-    if not bool(((new_scale > 0) & torch.isfinite(new_scale)).all()):
-        raise ValueError(f"{name} returned a scale that is not finite and positive: "
-                         f"{new_scale.tolist()}")
-    return new_scale
+def resize_amax_history(history: torch.Tensor, length: int) -> torch.Tensor:
+    """``history [L, n]`` as a new ``[length, n]`` history that keeps the live row and
+    the most recent ``length - 1`` completed rows in their places relative to the roll:
+    row 0 stays row 0 and the most recent rows stay at the end, so a shorter history
+    drops the oldest rows (rows 1, 2, ...) and a longer one gets zero rows (no amax
+    seen) in the oldest places, right after row 0."""
+    old = history.shape[0]
+    if length == old:
+        return history.clone()
+    if length < old:
+        return torch.cat([history[:1], history[old - length + 1:]])
+    pad = history.new_zeros(length - old, history.shape[1])
+    return torch.cat([history[:1], pad, history[1:]])
 
 
 def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, max_value: float,

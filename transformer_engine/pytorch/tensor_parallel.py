@@ -30,6 +30,7 @@ NOTE [Tensor-parallel layouts]
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -202,10 +203,17 @@ class TensorParallelConfig:
     ``tp_size`` is the group's size when ``tp_group`` is given, else the value passed
     (TE's convention for groups formed after the module: call
     ``set_tensor_parallel_group`` before the first forward).
+
+    ``tp_size > 1`` without a parallel mode splits nothing. TE accepts it (its
+    MultiheadAttention passes ``tp_size`` to unsplit layers), so a script written for
+    TE must run: it gets a ``UserWarning`` that says how to split the layer.
+    ``split_by`` names the argument that does it in the message; None: no warning
+    (a second config of the same module).
     """
 
     def __init__(self, api: str, parallel_mode: Optional[str], tp_group, tp_size: int,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool,
+                 split_by: Optional[str] = "parallel_mode='column' or 'row'"):
         if parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"{api}: parallel_mode must be one of {PARALLEL_MODES}, "
                              f"got {parallel_mode!r}")
@@ -213,6 +221,11 @@ class TensorParallelConfig:
             raise TypeError(f"{api}: sequence_parallel must be a bool, got {sequence_parallel!r}")
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"{api}: tp_size must be a positive int, got {tp_size!r}")
+        if parallel_mode is None and tp_size > 1 and split_by is not None:
+            warnings.warn(f"{api}: tp_size={tp_size} has no effect without {split_by}: the "
+                          "layer is not split and does no tensor-parallel communication; pass "
+                          f"{split_by} to split it, or leave tp_size at 1", UserWarning,
+                          stacklevel=3)
         _check_group(api, tp_group)
         if tp_group is not None:
             group_size = dist.get_world_size(tp_group)

@@ -27,8 +27,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .attention import MultiheadAttention, QKV_FORMATS, check_choice, check_dropout
-from .module.layernorm import LayerNorm, RMSNorm, check_normalization, check_positive_int
+from .attention import (MultiheadAttention, QKV_FORMATS, check_choice, check_dropout,
+                        check_hidden_states_dtype)
+from .module.layernorm import (LayerNorm, RMSNorm, check_eps, check_normalization,
+                               check_positive_int)
 from .module.layernorm_mlp import LayerNormMLP
 
 __all__ = ["TransformerLayer"]
@@ -81,6 +83,7 @@ class TransformerLayer(torch.nn.Module):
         self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
         check_positive_int(api, "ffn_hidden_size", ffn_hidden_size)
         self.hidden_dropout = check_dropout(api, "hidden_dropout", hidden_dropout)
+        check_eps(api, layernorm_epsilon, "layernorm_epsilon")
         check_normalization(api, normalization)
         self.attn_input_format = check_choice(api, "attn_input_format", attn_input_format,
                                                QKV_FORMATS)
@@ -129,6 +132,7 @@ class TransformerLayer(torch.nn.Module):
                 "[batch, seq, hidden]"
             raise ValueError(f"{api}: hidden_states must be {layout} with "
                              f"hidden={self.hidden_size}, got {got}")
+        check_hidden_states_dtype(api, hidden_states, self.layernorm_mlp.fc1_weight)
         attn = self.self_attention(hidden_states, attention_mask,
                                    attn_mask_type=self_attn_mask_type,
                                    checkpoint_core_attention=checkpoint_core_attention)

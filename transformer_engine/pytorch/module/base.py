@@ -4,16 +4,16 @@ that ties a module to the FP8 autocast and to activation recompute."""
 from __future__ import annotations
 
 import contextlib
-import io
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from ...common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
-from .. import distributed, recompute
+from ...common.recipe import DelayedScaling, Recipe
+from .. import distributed, quantize, recompute
 from ..fp8 import FP8GlobalStateManager
 from ..scaling import ScalingState
+from . import extra_state
 
 __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
            "no_autocast"]
@@ -92,12 +92,20 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.fp8_meta["scaling_bwd"] = ScalingState.new(n * self.BWD_TENSORS_PER_GEMM, length, device)
 
     def _adopt_recipe(self, recipe: Recipe) -> None:
-        """Keep the state while the history length fits the recipe; else start fresh."""
+        """Keep the state (fresh if there is none); a history of another length than
+        the recipe's is resized, keeping the scales and the most recent amaxes
+        (`quantize.resize_amax_history`), never discarded."""
         self.fp8_meta["recipe"] = recipe
         if recipe.delayed():
             state = self.fp8_meta["scaling_fwd"]
-            if state is None or state.amax_history.shape[0] != recipe.amax_history_len:
+            if state is None:
                 self.init_fp8_meta_tensors(recipe)
+            elif state.amax_history.shape[0] != recipe.amax_history_len:
+                for key in ("scaling_fwd", "scaling_bwd"):
+                    s = self.fp8_meta[key]
+                    self.fp8_meta[key] = ScalingState(
+                        s.scale.clone(), s.scale_inv.clone(),
+                        quantize.resize_amax_history(s.amax_history, recipe.amax_history_len))
 
     @contextlib.contextmanager
     def prepare_forward(self, inp: Optional[torch.Tensor] = None):
@@ -138,64 +146,25 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if swapped:
                 FP8GlobalStateManager.restore_fp8_meta_tensors(self.fp8_meta)
 
-    # ---- FP8 state in state_dict ----------------------------------------------------
+    # ---- FP8 state in state_dict (NOTE [FP8 extra state payload]) -------------------
     def get_extra_state(self) -> torch.Tensor:
         """The FP8 state (recipe, scales, amax histories) as a uint8 tensor, so that it
         travels in ``state_dict()`` and loads with ``torch.load(weights_only=True)``."""
-        state = {"recipe": _recipe_to_dict(self.fp8_meta["recipe"])}
-        for key in ("scaling_fwd", "scaling_bwd"):
-            s = self.fp8_meta[key]
-            state[key] = None if s is None else {
-                "scale": s.scale.cpu(), "scale_inv": s.scale_inv.cpu(),
-                "amax_history": s.amax_history.cpu()}
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        return extra_state.save_fp8_state(self.fp8_meta)
 
     def set_extra_state(self, state) -> None:
-        if state is None or (torch.is_tensor(state) and state.numel() == 0):
+        """Load what `get_extra_state` wrote: all of it after checking all of it, or
+        nothing (a ``ValueError`` naming this module says what is wrong). A saved
+        history length that differs from a later recipe is adapted at that forward."""
+        name = getattr(self, "name", None)
+        api = type(self).__name__ + (f"(name={name!r})" if isinstance(name, str) else "")
+        loaded = extra_state.load_fp8_state(
+            state, f"{api}.set_extra_state", self.fp8_meta["num_gemms"],
+            self.FWD_TENSORS_PER_GEMM, self.BWD_TENSORS_PER_GEMM)
+        if loaded is None:
             return
-        if not torch.is_tensor(state):
-            raise TypeError(f"{type(self).__name__}.set_extra_state: expected the uint8 tensor "
-                            f"written by get_extra_state, got {type(state).__name__}")
-        data = torch.load(io.BytesIO(state.cpu().numpy().tobytes()), weights_only=True)
-        recipe = _recipe_from_dict(data["recipe"])
-        self.fp8_meta["recipe"] = recipe
         device = self._meta_device()
-        for key in ("scaling_fwd", "scaling_bwd"):
-            saved = data[key]
-            if saved is None:
-                self.fp8_meta[key] = None
-                continue
-            self.fp8_meta[key] = ScalingState(saved["scale"].to(device),
-                                              saved["scale_inv"].to(device),
-                                              saved["amax_history"].to(device))
-
-
-def _recipe_to_dict(recipe: Optional[Recipe]):
-    """A recipe as plain data. Callable algorithms cannot be saved: such a recipe is
-    stored as None, and the autocast's recipe is adopted at the next forward."""
-    if recipe is None:
-        return None
-    if isinstance(recipe, DelayedScaling):
-        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-            return None
-        return {"type": "DelayedScaling", "margin": recipe.margin,
-                "fp8_format": recipe.fp8_format.name, "amax_history_len": recipe.amax_history_len,
-                "amax_compute_algo": recipe.amax_compute_algo, "reduce_amax": recipe.reduce_amax}
-    if isinstance(recipe, Float8CurrentScaling):
-        return {"type": "Float8CurrentScaling", "fp8_format": recipe.fp8_format.name}
-    raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
-
-
-def _recipe_from_dict(data) -> Optional[Recipe]:
-    if data is None:
-        return None
-    data = dict(data)
-    kind = data.pop("type")
-    data["fp8_format"] = Format[data["fp8_format"]]
-    if kind == "DelayedScaling":
-        return DelayedScaling(**data)
-    if kind == "Float8CurrentScaling":
-        return Float8CurrentScaling(**data)
-    raise ValueError(f"set_extra_state: unknown recipe type {kind!r}")
+        fwd, bwd = (None if s is None else ScalingState(s.scale.to(device), s.scale_inv.to(device),
+                                                        s.amax_history.to(device))
+                    for s in (loaded.scaling_fwd, loaded.scaling_bwd))
+        self.fp8_meta.update(recipe=loaded.recipe, scaling_fwd=fwd, scaling_bwd=bwd)

@@ -11,6 +11,7 @@ pulling the gain towards 0.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -38,16 +39,20 @@ def check_normalization(api: str, normalization) -> str:
     return normalization
 
 
-def check_eps(api: str, eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{api}: eps must be a positive float, got {eps!r}")
+def check_eps(api: str, eps, name: str = "eps") -> float:
+    """A finite, positive epsilon (inf would normalize everything to 0, NaN to NaN)."""
+    if (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+            or not eps > 0):
+        raise ValueError(f"{api}: {name} must be a finite positive float, got {eps!r}")
     return float(eps)
 
 
 def check_input(api: str, inp, features: int, name: str = "hidden_size") -> None:
-    """A tensor whose last dimension is ``features``."""
+    """A floating-point tensor whose last dimension is ``features``."""
     if not torch.is_tensor(inp):
         raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
+    if not inp.is_floating_point():
+        raise TypeError(f"{api}: input must be a floating-point tensor, got dtype {inp.dtype}")
     if inp.dim() == 0 or inp.shape[-1] != features:
         raise ValueError(f"{api}: the input's last dimension must be {name}={features}, "
                          f"got input of shape {tuple(inp.shape)}")

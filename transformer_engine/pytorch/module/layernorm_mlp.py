@@ -127,9 +127,10 @@ class LayerNormMLP(TransformerEngineBaseModule):
         if not isinstance(set_parallel_mode, bool):
             raise TypeError(f"{api}: set_parallel_mode must be a bool, got {set_parallel_mode!r}")
         self.tp_fc1 = TensorParallelConfig(api, "column" if set_parallel_mode else None,
-                                           tp_group, tp_size, sequence_parallel)
+                                           tp_group, tp_size, sequence_parallel,
+                                           split_by="set_parallel_mode=True")
         self.tp_fc2 = TensorParallelConfig(api, "row" if set_parallel_mode else None,
-                                           tp_group, tp_size, sequence_parallel)
+                                           tp_group, tp_size, sequence_parallel, split_by=None)
         self.set_parallel_mode = set_parallel_mode
         self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
         self.ffn_hidden_size = check_positive_int(api, "ffn_hidden_size", ffn_hidden_size)

@@ -17,7 +17,7 @@ from ..tensor_parallel import TensorParallelConfig
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
 
-__all__ = ["Linear", "fp8_linear", "check_params_dtype", "init_weight_"]
+__all__ = ["Linear", "fp8_linear", "check_params_dtype", "check_input_dtype", "init_weight_"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,6 +28,17 @@ def check_params_dtype(api: str, params_dtype) -> torch.dtype:
     if dtype not in _PARAM_DTYPES:
         raise TypeError(f"{api}: params_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     return dtype
+
+
+def check_input_dtype(api: str, x: torch.Tensor, weight: torch.Tensor, fp8: bool) -> None:
+    """Outside FP8 and ``torch.autocast`` a GEMM takes the input in the parameters'
+    dtype (TE refuses other inputs there too); say so instead of torch's matmul error.
+    In FP8 both operands are cast anyway, and ``torch.autocast`` casts them itself."""
+    if x.dtype != weight.dtype and not fp8 and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{api}: outside te.autocast (FP8) and torch.autocast the input must "
+                        f"have the parameters' dtype {weight.dtype}, got {x.dtype}; cast the "
+                        f"input, build the module with params_dtype={x.dtype}, or run it "
+                        "under torch.autocast")
 
 
 def init_weight_(weight: torch.Tensor) -> None:
@@ -114,9 +125,12 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
     slots in the module's scaling state."""
     in_features, out_features = weight.shape[1], weight.shape[0]
-    if x.shape[-1] != in_features:
+    if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
                          f"got input of shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{api}: input must be a floating-point tensor, got dtype {x.dtype}")
+    check_input_dtype(api, x, weight, plan.fp8)
     if not plan.fp8:
         if plan.record_amax:
             state = fp8_meta["scaling_fwd"]

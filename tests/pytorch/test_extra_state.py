@@ -1,0 +1,119 @@
+"""FP8 state in ``state_dict()`` (NOTE [FP8 extra state payload]): round trips restore
+it bit for bit, empty payloads change nothing, and a history saved with another length
+than the recipe in force is adapted (most recent amaxes and the scales kept), never
+dropped. Refused payloads: test_bad_input.py."""
+
+import pytest
+import torch
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch import quantize
+from utils import assert_states_equal, fp8_state_snapshot
+
+CPU = "cpu"
+MODULES = [
+    pytest.param(lambda: te.Linear(16, 16, device=CPU), id="linear"),
+    pytest.param(lambda: te.LayerNormLinear(16, 16, device=CPU), id="layernorm-linear"),
+    pytest.param(lambda: te.LayerNormMLP(16, 32, device=CPU), id="layernorm-mlp"),
+]
+
+
+def _train(module, recipe, magnitudes):
+    """One FP8 training step per magnitude; returns the input amax of each step."""
+    amaxes = []
+    for mag in magnitudes:
+        x = torch.randn(16, 16) * mag
+        amaxes.append(x.abs().max().item())
+        with te.autocast(recipe=recipe):
+            y = module(x.requires_grad_())
+        y.pow(2).mean().backward()
+    return amaxes
+
+
+@pytest.mark.parametrize("build", MODULES)
+def test_state_dict_round_trip_is_bit_identical(build):
+    recipe = DelayedScaling(amax_history_len=3)
+    a = build()
+    _train(a, recipe, [1.0, 4.0])
+    b = build()
+    b.load_state_dict(a.state_dict())
+    assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]), "after the load")
+    assert b.fp8_meta["recipe"] == recipe
+    # both continue identically (same parameters, same scales and histories)
+    torch.manual_seed(7)
+    _train(a, recipe, [2.0])
+    torch.manual_seed(7)
+    _train(b, recipe, [2.0])
+    assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]), "one step later")
+
+
+def test_current_scaling_and_callable_recipes_round_trip():
+    """A recipe that is not saved as data (a callable algorithm) travels as None with
+    its state; current scaling travels as itself."""
+    a = te.Linear(16, 16, device=CPU)
+    _train(a, DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.amax(0)), [1.0])
+    b = te.Linear(16, 16, device=CPU)
+    b.load_state_dict(a.state_dict())
+    assert b.fp8_meta["recipe"] is None
+    assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]))
+    _train(a, Float8CurrentScaling(), [1.0])
+    b.load_state_dict(a.state_dict())
+    assert b.fp8_meta["recipe"] == Float8CurrentScaling()
+    assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]))
+
+
+@pytest.mark.parametrize("payload", [None, torch.zeros(0, dtype=torch.uint8)],
+                         ids=["none", "empty"])
+def test_empty_payload_changes_nothing(payload):
+    m = te.Linear(16, 16, device=CPU)
+    _train(m, DelayedScaling(amax_history_len=2), [1.0])
+    before = fp8_state_snapshot([m])
+    m.set_extra_state(payload)
+    assert_states_equal(fp8_state_snapshot([m]), before)
+
+
+# ---- history length: adapted to the recipe in force -----------------------------------------
+
+def _rolled(amaxes, length):
+    """The history of one tensor after one update per amax, by the update's own roll."""
+    h = torch.zeros(length, 1)
+    for a in amaxes:
+        h[0, 0] = a
+        h = quantize.roll_amax_history(h)
+    return h
+
+
+@pytest.mark.parametrize("old, new, steps", [(4, 2, 5), (4, 1, 3), (2, 6, 1), (4, 7, 3), (3, 3, 2)],
+                         ids=["shrink", "shrink-to-1", "grow", "grow-full", "same"])
+def test_resize_matches_a_history_kept_at_the_new_length(old, new, steps):
+    """Resizing a history equals having kept the new length all along, whenever the
+    new length holds what it would have held (a shorter one drops the oldest)."""
+    amaxes = [float(i + 1) for i in range(steps)]
+    got = quantize.resize_amax_history(_rolled(amaxes, old), new)
+    assert torch.equal(got, _rolled(amaxes, new))
+
+
+@pytest.mark.parametrize("new_len", [2, 6], ids=["shorter", "longer"])
+def test_loaded_history_is_adapted_to_the_recipe_in_force(new_len):
+    """Saved with amax_history_len=4 after three steps, resumed under another length:
+    the loaded scales are used at the next forward (not reset to 1) and the next update
+    takes the max over the amaxes the new length keeps: the last ``new_len - 1`` saved
+    steps and the new one."""
+    saved = te.Linear(16, 16, device=CPU)
+    amaxes = _train(saved, DelayedScaling(amax_history_len=4), [1.0, 8.0, 2.0])
+    loaded = te.Linear(16, 16, device=CPU)
+    loaded.load_state_dict(saved.state_dict())
+    recipe = DelayedScaling(amax_history_len=new_len)
+    with torch.no_grad(), te.autocast(recipe=recipe):      # adopts the recipe, no update
+        loaded(torch.randn(16, 16))
+    state = loaded.fp8_meta["scaling_fwd"]
+    assert state.amax_history.shape == (new_len, 2)
+    assert torch.equal(state.scale, saved.fp8_meta["scaling_fwd"].scale)
+    assert torch.equal(state.scale_inv, saved.fp8_meta["scaling_fwd"].scale_inv)
+    assert loaded.fp8_meta["scaling_bwd"].amax_history.shape == (new_len, 1)
+    amaxes += _train(loaded, recipe, [0.5])
+    expect = 448.0 / max(amaxes[-new_len:])
+    scale = loaded.fp8_meta["scaling_fwd"].scale
+    torch.testing.assert_close(scale[0].double(), torch.tensor(expect, dtype=torch.float64),
+                               rtol=2 ** -23, atol=0)

@@ -1,0 +1,246 @@
+"""The FP8 state of a TE module as ``state_dict()`` extra state: the payload that
+``get_extra_state`` writes, and the checks ``set_extra_state`` runs on a payload
+before it changes anything.
+
+NOTE [FP8 extra state payload]
+    The payload is a uint8 tensor holding the bytes of ``torch.save`` of a dict with
+    exactly the keys ``"recipe"``, ``"scaling_fwd"`` and ``"scaling_bwd"``:
+
+    recipe       None (no recipe yet, or one with a callable algorithm, which cannot
+                 be saved as data: the autocast's recipe is adopted at the next
+                 forward), or the recipe's fields as plain values plus ``"type"``.
+    scaling_*    None (no delayed-scaling state yet), or ``{"scale": [n],
+                 "scale_inv": [n], "amax_history": [L, n]}``, float32, with ``n`` the
+                 module's ``num_gemms`` times 2 (forward) or 1 (backward).
+
+    It is read with ``torch.load(weights_only=True)`` and checked whole: keys exactly,
+    tensors float32 of the shapes this module needs, scales finite and at least the
+    smallest normal float32, ``scale_inv`` equal to ``1 / scale``, histories finite,
+    non-negative, of one length in ``[1, MAX_AMAX_HISTORY_LEN]`` (the recipe's
+    ``amax_history_len`` when the recipe is delayed scaling), the recipe through its
+    own validation. Only then is the module's state replaced, all of it; a refused
+    payload leaves the module as it was.
+
+    A history length that differs from the recipe in force at a later forward is
+    adapted there (`quantize.resize_amax_history`: the oldest rows dropped, or zero
+    rows added as the oldest), keeping the loaded scales; it is never discarded.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import NamedTuple, Optional
+
+import torch
+
+from ...common.recipe import MAX_AMAX_HISTORY_LEN, DelayedScaling, Float8CurrentScaling, Format
+from ...common.recipe import Recipe
+from ..scaling import ScalingState
+
+__all__ = ["LoadedFP8State", "save_fp8_state", "load_fp8_state"]
+
+_TOP_KEYS = frozenset(("recipe", "scaling_fwd", "scaling_bwd"))
+_STATE_KEYS = frozenset(("scale", "scale_inv", "amax_history"))
+_RECIPE_FIELDS = {
+    "DelayedScaling": frozenset(("type", "margin", "fp8_format", "amax_history_len",
+                                 "amax_compute_algo", "reduce_amax")),
+    "Float8CurrentScaling": frozenset(("type", "fp8_format")),
+}
+_STR_AMAX_ALGOS = ("max", "most_recent")
+_FP32_TINY = torch.finfo(torch.float32).tiny
+_ZIP_MAGIC = b"PK\x03\x04"      # torch.save writes a zip archive
+
+
+class InvalidPayload(ValueError):
+    """Why a payload was refused (the caller adds which module refused it)."""
+
+
+class LoadedFP8State(NamedTuple):
+    """A checked payload, on the CPU, ready to replace the module's state."""
+
+    recipe: Optional[Recipe]
+    scaling_fwd: Optional[ScalingState]
+    scaling_bwd: Optional[ScalingState]
+
+
+# ---- saving ---------------------------------------------------------------------
+
+def _recipe_to_dict(recipe: Optional[Recipe]):
+    """A recipe as plain data; None for a recipe with a callable algorithm."""
+    if recipe is None:
+        return None
+    if isinstance(recipe, DelayedScaling):
+        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+            return None
+        return {"type": "DelayedScaling", "margin": recipe.margin,
+                "fp8_format": recipe.fp8_format.name, "amax_history_len": recipe.amax_history_len,
+                "amax_compute_algo": recipe.amax_compute_algo, "reduce_amax": recipe.reduce_amax}
+    if isinstance(recipe, Float8CurrentScaling):
+        return {"type": "Float8CurrentScaling", "fp8_format": recipe.fp8_format.name}
+    raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
+
+
+def save_fp8_state(fp8_meta: dict) -> torch.Tensor:
+    """The payload of NOTE [FP8 extra state payload] for ``fp8_meta``."""
+    state = {"recipe": _recipe_to_dict(fp8_meta["recipe"])}
+    for key in ("scaling_fwd", "scaling_bwd"):
+        s = fp8_meta[key]
+        state[key] = None if s is None else {
+            "scale": s.scale.cpu(), "scale_inv": s.scale_inv.cpu(),
+            "amax_history": s.amax_history.cpu()}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+# ---- loading --------------------------------------------------------------------
+
+def load_fp8_state(payload, api: str, num_gemms: int, fwd_per_gemm: int,
+                   bwd_per_gemm: int) -> Optional[LoadedFP8State]:
+    """Read and check a payload (NOTE [FP8 extra state payload]); None for an empty
+    one (nothing to load). ``api`` names the module in errors.
+
+    Raises
+    ------
+    TypeError
+        ``payload`` is not a tensor.
+    ValueError
+        Anything else is wrong with it: ``"<api>: the FP8 extra state is not a valid
+        payload written by get_extra_state: <reason>"``.
+    """
+    if payload is None or (torch.is_tensor(payload) and payload.numel() == 0):
+        return None
+    if not torch.is_tensor(payload):
+        raise TypeError(f"{api}: expected the uint8 tensor written by get_extra_state, "
+                        f"got {type(payload).__name__}")
+    try:
+        data = _read(payload)
+        recipe = _check_recipe(data["recipe"])
+        fwd = _check_state(data["scaling_fwd"], "scaling_fwd", num_gemms * fwd_per_gemm)
+        bwd = _check_state(data["scaling_bwd"], "scaling_bwd", num_gemms * bwd_per_gemm)
+        _check_lengths(recipe, fwd, bwd)
+    except InvalidPayload as err:
+        raise ValueError(f"{api}: the FP8 extra state is not a valid payload written by "
+                         f"get_extra_state: {err}") from None
+    return LoadedFP8State(recipe, fwd, bwd)
+
+
+def _read(payload: torch.Tensor) -> dict:
+    """The payload's dict, loaded with ``weights_only=True``; torch's own errors (and
+    their advice to load untrusted bytes with ``weights_only=False``) are replaced
+    by a reason."""
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise InvalidPayload(f"expected a 1-D uint8 tensor, got {payload.dtype} of shape "
+                             f"{tuple(payload.shape)}")
+    raw = payload.detach().cpu().numpy().tobytes()
+    if not raw.startswith(_ZIP_MAGIC):
+        raise InvalidPayload("its bytes are not a torch.save archive (get_extra_state writes "
+                             "one; these do not start like one)")
+    try:
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        reason = ("torch.load(weights_only=True) refuses its contents (objects other than "
+                  "tensors and plain Python values, or corrupted data)")
+        raise InvalidPayload(reason) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        reason = (f"its bytes are not a complete torch.save archive (truncated or corrupted; "
+                  f"{type(err).__name__})")
+        raise InvalidPayload(reason) from None
+    if not isinstance(data, dict) or set(data) != _TOP_KEYS:
+        got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise InvalidPayload(f"expected a dict with keys {sorted(_TOP_KEYS)}, got {got}")
+    return data
+
+
+def _check_recipe(data) -> Optional[Recipe]:
+    if data is None:
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("type"), str)
+            and data["type"] in _RECIPE_FIELDS):
+        raise InvalidPayload(f"recipe: expected None or a dict with 'type' one of "
+                             f"{sorted(_RECIPE_FIELDS)}, got {_describe(data)}")
+    kind = data["type"]
+    if set(data) != _RECIPE_FIELDS[kind]:
+        raise InvalidPayload(f"recipe: a {kind} has the fields {sorted(_RECIPE_FIELDS[kind])}, "
+                             f"got {sorted(map(str, data))}")
+    fields = {k: v for k, v in data.items() if k != "type"}
+    fmt = fields["fp8_format"]
+    if not (isinstance(fmt, str) and fmt in Format.__members__):
+        raise InvalidPayload(f"recipe: fp8_format must be one of {list(Format.__members__)}, "
+                             f"got {_describe(fmt)}")
+    fields["fp8_format"] = Format[fmt]
+    # Only the named algorithms are data; a callable cannot come from a payload.
+    algo = fields.get("amax_compute_algo", "max")
+    if not (isinstance(algo, str) and algo in _STR_AMAX_ALGOS):
+        raise InvalidPayload(f"recipe: amax_compute_algo must be one of {_STR_AMAX_ALGOS}, "
+                             f"got {_describe(algo)}")
+    try:
+        return (DelayedScaling if kind == "DelayedScaling" else Float8CurrentScaling)(**fields)
+    except (TypeError, ValueError) as err:
+        raise InvalidPayload(f"recipe: {err}") from None
+
+
+def _check_state(data, key: str, n: int) -> Optional[ScalingState]:
+    """A scaling state of ``n`` tensors, copied out of the payload."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) != _STATE_KEYS:
+        got = sorted(map(str, data)) if isinstance(data, dict) else _describe(data)
+        raise InvalidPayload(f"{key}: expected a dict with keys {sorted(_STATE_KEYS)}, got {got}")
+    tensors = {}
+    for name in ("scale", "scale_inv", "amax_history"):
+        t = data[name]
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.layout != torch.strided:
+            got = f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else _describe(t)
+            raise InvalidPayload(f"{key}.{name}: expected a float32 tensor, got {got}")
+        tensors[name] = t.detach().clone().contiguous()
+    scale, scale_inv, history = tensors["scale"], tensors["scale_inv"], tensors["amax_history"]
+    for name, t in (("scale", scale), ("scale_inv", scale_inv)):
+        if tuple(t.shape) != (n,):
+            raise InvalidPayload(f"{key}.{name}: this module has {n} tensors here, so the shape "
+                                 f"must be ({n},), got {tuple(t.shape)} (a state saved from a "
+                                 "module with another number of GEMMs?)")
+    if history.dim() != 2 or history.shape[1] != n:
+        raise InvalidPayload(f"{key}.amax_history: the shape must be (amax_history_len, {n}), "
+                             f"got {tuple(history.shape)}")
+    if not 1 <= history.shape[0] <= MAX_AMAX_HISTORY_LEN:
+        raise InvalidPayload(f"{key}.amax_history: the length must be in "
+                             f"[1, {MAX_AMAX_HISTORY_LEN}], got {history.shape[0]}")
+    bad = ~torch.isfinite(scale) | (scale < _FP32_TINY)
+    if bool(bad.any()):
+        raise InvalidPayload(f"{key}.scale: every scale must be finite and >= {_FP32_TINY} "
+                             f"(the smallest normal float32), got {scale.tolist()}")
+    # 1 / scale in float32, to the rounding of the division
+    if not torch.allclose(scale_inv, torch.reciprocal(scale), rtol=2.0 ** -23, atol=0.0):
+        raise InvalidPayload(f"{key}.scale_inv: must be 1 / scale, got scale_inv "
+                             f"{scale_inv.tolist()} for scale {scale.tolist()}")
+    if not bool((torch.isfinite(history) & (history >= 0)).all()):
+        raise InvalidPayload(f"{key}.amax_history: every amax must be finite and >= 0")
+    return ScalingState(scale, scale_inv, history)
+
+
+def _check_lengths(recipe: Optional[Recipe], fwd: Optional[ScalingState],
+                   bwd: Optional[ScalingState]) -> None:
+    """Forward and backward states exist together (they are made together) with one
+    history length: the recipe's, when the recipe is delayed scaling."""
+    if (fwd is None) != (bwd is None):
+        raise InvalidPayload("scaling_fwd and scaling_bwd must both be present or both None")
+    delayed = isinstance(recipe, DelayedScaling)
+    if fwd is None:
+        if delayed:
+            raise InvalidPayload("a DelayedScaling recipe comes with its scaling state, "
+                                 "but scaling_fwd and scaling_bwd are None")
+        return
+    lengths = (fwd.amax_history.shape[0], bwd.amax_history.shape[0])
+    if lengths[0] != lengths[1]:
+        raise InvalidPayload(f"the forward and backward amax histories differ in length: "
+                             f"{lengths[0]} and {lengths[1]}")
+    if delayed and lengths[0] != recipe.amax_history_len:
+        raise InvalidPayload(f"the amax histories have {lengths[0]} rows but the saved recipe "
+                             f"has amax_history_len={recipe.amax_history_len}")
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
