@@ -76,7 +76,7 @@ def time_ms(fn, repeats: int, max_s: float) -> float:
 
 def gemm_fn(kind: str, a: quantize.Float8Data, b: quantize.Float8Data):
     if kind == "upcast":
-        return lambda: quantize._upcast_gemm(a, b, torch.float32, None)
+        return lambda: quantize.upcast_gemm(a, b, torch.float32, None)
     return lambda: torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
                                     out_dtype=torch.float32)
 

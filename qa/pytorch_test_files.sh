@@ -18,6 +18,7 @@ TESTS=(
     tests/pytorch/test_non_finite_amax.py
     tests/pytorch/test_recompute_edges.py
     tests/pytorch/test_module_copies.py
+    tests/pytorch/test_graph.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_triton_kernels.py

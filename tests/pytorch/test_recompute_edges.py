@@ -34,7 +34,7 @@ def test_exception_in_the_gemm_during_the_recompute(use_reentrant, monkeypatch):
     x = torch.randn(16, 32, requires_grad=True)
     loss = te.checkpoint(region, x, use_reentrant=use_reentrant).pow(2).mean()
     live = {m: m.fp8_meta["scaling_fwd"] for m in (a, b)}
-    real_gemm = quantize._gemm
+    real_gemm = quantize.fp8_gemm_unchecked
     gemms = [0]
 
     def failing(*args, **kwargs):
@@ -43,10 +43,10 @@ def test_exception_in_the_gemm_during_the_recompute(use_reentrant, monkeypatch):
             raise GemmFailure("the recompute's GEMM failed")
         return real_gemm(*args, **kwargs)
 
-    monkeypatch.setattr(quantize, "_gemm", failing)
+    monkeypatch.setattr(quantize, "fp8_gemm_unchecked", failing)
     with pytest.raises(GemmFailure):
         loss.backward()
-    monkeypatch.setattr(quantize, "_gemm", real_gemm)
+    monkeypatch.setattr(quantize, "fp8_gemm_unchecked", real_gemm)
     assert calls[0] == 2
     for m in (a, b):
         assert m.fp8_meta["scaling_fwd"] is live[m]          # the live state, by identity

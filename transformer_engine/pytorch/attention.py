@@ -22,36 +22,15 @@ import torch.nn.functional as F
 from . import distributed
 from .module.base import default_device
 from .fp8 import FP8GlobalStateManager
-from .module.layernorm import check_eps, check_positive_int
 from .module.layernorm_linear import LayerNormLinear, pack_outputs
-from .module.linear import Linear, check_input_dtype, check_params_dtype
+from .module.linear import Linear
+from .utils import (check_choice, check_dropout, check_eps, check_hidden_states_dtype,
+                    check_params_dtype, check_positive_int)
 
 __all__ = ["DotProductAttention", "MultiheadAttention", "MASK_TYPES", "QKV_FORMATS"]
 
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
 QKV_FORMATS = ("sbhd", "bshd")
-
-
-def check_choice(api: str, name: str, value, choices) -> str:
-    if value not in choices:
-        raise ValueError(f"{api}: {name} must be one of {choices}, got {value!r}")
-    return value
-
-
-def check_dropout(api: str, name: str, p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"{api}: {name} must be a float in [0, 1), got {p!r}")
-    return float(p)
-
-
-def check_hidden_states_dtype(api: str, hidden_states: torch.Tensor,
-                              weight: torch.Tensor) -> None:
-    """A floating-point input that the first GEMM can take (`check_input_dtype`),
-    checked where the user called, so the error names that API."""
-    if not hidden_states.is_floating_point():
-        raise TypeError(f"{api}: hidden_states must be a floating-point tensor, got dtype "
-                        f"{hidden_states.dtype}")
-    check_input_dtype(api, hidden_states, weight, FP8GlobalStateManager.is_fp8_enabled())
 
 
 def _padding_mask(api: str, mask, batch: int, seq: int, which: str, device) -> torch.Tensor:
@@ -362,7 +341,8 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(f"{api}: hidden_states must be a 3-D tensor "
                              f"({self.core_attention.qkv_format[0]}, "
                              f"{self.core_attention.qkv_format[1]}, hidden), got {got}")
-        check_hidden_states_dtype(api, hidden_states, self.proj.weight)
+        check_hidden_states_dtype(api, hidden_states, self.proj.weight,
+                                  FP8GlobalStateManager.is_fp8_enabled())
         ln_out = None
         if self.input_layernorm:
             mixed = self.layernorm_qkv(hidden_states)

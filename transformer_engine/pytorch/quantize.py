@@ -48,7 +48,8 @@ from .kernel_config import get_kernel_config
 
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
-    "current_scale", "fp8_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
+    "cast_transpose_unchecked", "current_scale", "fp8_gemm", "fp8_gemm_unchecked",
+    "upcast_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
     "roll_amax_history", "resize_amax_history", "sanitize_live_amax", "check_computed_scale",
     "delayed_scaling_update", "delayed_scaling_update_",
 ]
@@ -171,12 +172,12 @@ def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         raise ValueError(f"{api}: amax_history must be a float32 [L, n] or [n] tensor on "
                          f"{x.device} with n > index={index}, got {amax_history.dtype} of shape "
                          f"{tuple(amax_history.shape)} on {amax_history.device}")
-    return _cast_transpose(x, scale, dtype, index, amax_history, data, transpose)
+    return cast_transpose_unchecked(x, scale, dtype, index, amax_history, data, transpose)
 
 
-def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, index: int,
-                    amax_history: Optional[torch.Tensor], data: bool, transpose: bool
-                    ) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
+def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                             index: int, amax_history: Optional[torch.Tensor], data: bool,
+                             transpose: bool) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
     """`cast_transpose_to_fp8` without its argument checks, for the modules, which
     build the arguments themselves (the host cost of a small step matters)."""
     kernels = _fused_kernels(x)
@@ -246,15 +247,16 @@ def fp8_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
         a = Float8Data(ad.contiguous(), a.scale_inv)
     if not bd.is_contiguous():
         b = Float8Data(bd.contiguous(), b.scale_inv)
-    return _gemm(a, b, out_dtype, bias, use_fast_accum)
+    return fp8_gemm_unchecked(a, b, out_dtype, bias, use_fast_accum)
 
 
-def _gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
-          bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
+def fp8_gemm_unchecked(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
+                       bias: Optional[torch.Tensor] = None,
+                       use_fast_accum: bool = False) -> torch.Tensor:
     """`fp8_gemm` without its checks, for operands the modules' own casts made
     (contiguous, FP8, shapes checked by `check_gemm_shape` at the module's entry)."""
     if not a.data.is_cuda and get_kernel_config().cpu_gemm == "upcast":
-        return _upcast_gemm(a, b, out_dtype, bias)
+        return upcast_gemm(a, b, out_dtype, bias)
     # cuBLASLt takes a bias only for 16-bit outputs; a float32 output adds it after.
     fused_bias = None
     if bias is not None and out_dtype != torch.float32:
@@ -266,7 +268,7 @@ def _gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
     return out
 
 
-def _upcast_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
+def upcast_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
                  bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``a @ b^T`` as a float32 GEMM on the upcast FP8 operands (exact products, float32
     accumulation), scaled, the bias added in float32, rounded once to ``out_dtype``."""

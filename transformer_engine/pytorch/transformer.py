@@ -27,11 +27,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .attention import (MultiheadAttention, QKV_FORMATS, check_choice, check_dropout,
-                        check_hidden_states_dtype)
-from .module.layernorm import (LayerNorm, RMSNorm, check_eps, check_normalization,
-                               check_positive_int)
+from .attention import QKV_FORMATS, MultiheadAttention
+from .fp8 import FP8GlobalStateManager
+from .module.layernorm import LayerNorm, RMSNorm
 from .module.layernorm_mlp import LayerNormMLP
+from .utils import (check_choice, check_dropout, check_eps, check_hidden_states_dtype,
+                    check_normalization, check_positive_int)
 
 __all__ = ["TransformerLayer"]
 
@@ -132,7 +133,8 @@ class TransformerLayer(torch.nn.Module):
                 "[batch, seq, hidden]"
             raise ValueError(f"{api}: hidden_states must be {layout} with "
                              f"hidden={self.hidden_size}, got {got}")
-        check_hidden_states_dtype(api, hidden_states, self.layernorm_mlp.fc1_weight)
+        check_hidden_states_dtype(api, hidden_states, self.layernorm_mlp.fc1_weight,
+                                  FP8GlobalStateManager.is_fp8_enabled())
         attn = self.self_attention(hidden_states, attention_mask,
                                    attn_mask_type=self_attn_mask_type,
                                    checkpoint_core_attention=checkpoint_core_attention)

@@ -1,11 +1,98 @@
-"""Small helpers shared across the package: nested-structure flattening for
-checkpointed and graphed callables' outputs."""
+"""Helpers shared across the package: the argument checks of the public modules
+(each raises with the calling API's name and the value it got), and nested-structure
+flattening for checkpointed and graphed callables' outputs."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Tuple
 
-__all__ = ["flatten_nested", "rebuild_nested"]
+import torch
+
+__all__ = ["flatten_nested", "rebuild_nested", "NORMALIZATIONS", "PARAM_DTYPES",
+           "check_positive_int", "check_normalization", "check_eps", "check_input",
+           "check_params_dtype", "check_input_dtype", "check_choice", "check_dropout",
+           "check_hidden_states_dtype"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# ---- argument checks ---------------------------------------------------------------------
+
+def check_positive_int(api: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{api}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_normalization(api: str, normalization) -> str:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"{api}: normalization must be one of {NORMALIZATIONS}, "
+                         f"got {normalization!r}")
+    return normalization
+
+
+def check_eps(api: str, eps, name: str = "eps") -> float:
+    """A finite, positive epsilon (inf would normalize everything to 0, NaN to NaN)."""
+    if (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+            or not eps > 0):
+        raise ValueError(f"{api}: {name} must be a finite positive float, got {eps!r}")
+    return float(eps)
+
+
+def check_input(api: str, inp, features: int, name: str = "hidden_size") -> None:
+    """A floating-point tensor whose last dimension is ``features``."""
+    if not torch.is_tensor(inp):
+        raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
+    if not inp.is_floating_point():
+        raise TypeError(f"{api}: input must be a floating-point tensor, got dtype {inp.dtype}")
+    if inp.dim() == 0 or inp.shape[-1] != features:
+        raise ValueError(f"{api}: the input's last dimension must be {name}={features}, "
+                         f"got input of shape {tuple(inp.shape)}")
+
+
+def check_params_dtype(api: str, params_dtype) -> torch.dtype:
+    dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+    if dtype not in PARAM_DTYPES:
+        raise TypeError(f"{api}: params_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype
+
+
+def check_input_dtype(api: str, x: torch.Tensor, weight: torch.Tensor, fp8: bool) -> None:
+    """Outside FP8 and ``torch.autocast`` a GEMM takes the input in the parameters'
+    dtype (TE refuses other inputs there too); say so instead of torch's matmul error.
+    In FP8 both operands are cast anyway, and ``torch.autocast`` casts them itself."""
+    if x.dtype != weight.dtype and not fp8 and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{api}: outside te.autocast (FP8) and torch.autocast the input must "
+                        f"have the parameters' dtype {weight.dtype}, got {x.dtype}; cast the "
+                        f"input, build the module with params_dtype={x.dtype}, or run it "
+                        "under torch.autocast")
+
+
+def check_choice(api: str, name: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"{api}: {name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_dropout(api: str, name: str, p) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{api}: {name} must be a float in [0, 1), got {p!r}")
+    return float(p)
+
+
+def check_hidden_states_dtype(api: str, hidden_states: torch.Tensor, weight: torch.Tensor,
+                              fp8: bool) -> None:
+    """A floating-point input that the first GEMM can take (`check_input_dtype`),
+    checked where the user called, so the error names that API."""
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"{api}: hidden_states must be a floating-point tensor, got dtype "
+                        f"{hidden_states.dtype}")
+    check_input_dtype(api, hidden_states, weight, fp8)
+
+
+# ---- nested structures ---------------------------------------------------------------------
 
 
 def flatten_nested(obj) -> Tuple[list, Any]:

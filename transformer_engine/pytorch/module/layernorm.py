@@ -11,51 +11,15 @@ pulling the gain towards 0.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from ..utils import check_eps, check_input, check_params_dtype, check_positive_int
 from .base import activation_dtype, default_device, no_autocast
-from .linear import check_params_dtype
 
-__all__ = ["LayerNorm", "RMSNorm", "NORMALIZATIONS", "normalize", "check_normalization",
-           "check_eps", "check_positive_int", "check_input"]
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-
-
-def check_positive_int(api: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{api}: {name} must be a positive int, got {value!r}")
-    return value
-
-
-def check_normalization(api: str, normalization) -> str:
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"{api}: normalization must be one of {NORMALIZATIONS}, "
-                         f"got {normalization!r}")
-    return normalization
-
-
-def check_eps(api: str, eps, name: str = "eps") -> float:
-    """A finite, positive epsilon (inf would normalize everything to 0, NaN to NaN)."""
-    if (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
-            or not eps > 0):
-        raise ValueError(f"{api}: {name} must be a finite positive float, got {eps!r}")
-    return float(eps)
-
-
-def check_input(api: str, inp, features: int, name: str = "hidden_size") -> None:
-    """A floating-point tensor whose last dimension is ``features``."""
-    if not torch.is_tensor(inp):
-        raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
-    if not inp.is_floating_point():
-        raise TypeError(f"{api}: input must be a floating-point tensor, got dtype {inp.dtype}")
-    if inp.dim() == 0 or inp.shape[-1] != features:
-        raise ValueError(f"{api}: the input's last dimension must be {name}={features}, "
-                         f"got input of shape {tuple(inp.shape)}")
+__all__ = ["LayerNorm", "RMSNorm", "normalize", "make_norm_params"]
 
 
 # CUDA's layer_norm kernels read and write 16-bit tensors but compute in float32 (mean,

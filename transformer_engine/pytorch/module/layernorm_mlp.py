@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from .. import distributed
 from ..tensor_parallel import TensorParallelConfig, mark_sequence_parallel
 from .base import TransformerEngineBaseModule, default_device
-from .layernorm import (check_eps, check_input, check_normalization, check_positive_int,
-                        make_norm_params, normalize)
+from ..utils import (check_eps, check_input, check_normalization, check_params_dtype,
+                     check_positive_int)
+from .layernorm import make_norm_params, normalize
 from .layernorm_linear import pack_outputs
-from .linear import check_params_dtype, fp8_linear, init_weight_
+from .linear import fp8_linear, init_weight_
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "activate"]
 

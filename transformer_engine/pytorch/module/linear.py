@@ -14,31 +14,13 @@ import torch.nn.functional as F
 from .. import quantize
 from ..amax_update import count_non_finite, request_backward_update
 from ..tensor_parallel import TensorParallelConfig
+from ..utils import check_input_dtype, check_params_dtype
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
 
-__all__ = ["Linear", "fp8_linear", "check_params_dtype", "check_input_dtype", "init_weight_"]
+__all__ = ["Linear", "fp8_linear", "init_weight_"]
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_params_dtype(api: str, params_dtype) -> torch.dtype:
-    dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-    if dtype not in _PARAM_DTYPES:
-        raise TypeError(f"{api}: params_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    return dtype
-
-
-def check_input_dtype(api: str, x: torch.Tensor, weight: torch.Tensor, fp8: bool) -> None:
-    """Outside FP8 and ``torch.autocast`` a GEMM takes the input in the parameters'
-    dtype (TE refuses other inputs there too); say so instead of torch's matmul error.
-    In FP8 both operands are cast anyway, and ``torch.autocast`` casts them itself."""
-    if x.dtype != weight.dtype and not fp8 and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(f"{api}: outside te.autocast (FP8) and torch.autocast the input must "
-                        f"have the parameters' dtype {weight.dtype}, got {x.dtype}; cast the "
-                        f"input, build the module with params_dtype={x.dtype}, or run it "
-                        "under torch.autocast")
 
 
 def init_weight_(weight: torch.Tensor) -> None:
@@ -54,12 +36,12 @@ def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dt
     amax. Returns ``(x_fp8, x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`:
     one pass over ``x`` on CUDA)."""
     if plan.delayed:
-        return quantize._cast_transpose(x, state.scale, dtype, index,
+        return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                         state.amax_history if record else None, data, transpose)
     amax_value = quantize.amax(x)
     count_non_finite(amax_value)
     scale = quantize.current_scale(amax_value, dtype)
-    return quantize._cast_transpose(x, scale, dtype, 0, None, data, transpose)
+    return quantize.cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -83,7 +65,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                                transpose=need_wgrad)
             w_fp8, w_t = _cast(weight, plan, state, i + 1, fmt.dtype_fwd, plan.record_amax,
                                transpose=need_dgrad)
-            y = quantize._gemm(x_fp8, w_fp8, out_dtype, bias=bias, use_fast_accum=True)
+            y = quantize.fp8_gemm_unchecked(x_fp8, w_fp8, out_dtype, bias=bias,
+                                            use_fast_accum=True)
         ctx.save_for_backward(x_t.data if x_t is not None else None, x_fp8.scale_inv,
                               w_t.data if w_t is not None else None, w_fp8.scale_inv)
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
@@ -107,10 +90,10 @@ class _FP8LinearFunction(torch.autograd.Function):
             dgrad = wgrad = dbias = None
             if need_dgrad:
                 w_t = quantize.Float8Data(w_t_data, w_scale_inv)
-                dgrad = quantize._gemm(dy_fp8, w_t, ctx.x_dtype)
+                dgrad = quantize.fp8_gemm_unchecked(dy_fp8, w_t, ctx.x_dtype)
             if need_wgrad:
                 x_t = quantize.Float8Data(x_t_data, x_scale_inv)
-                wgrad = quantize._gemm(dy_t, x_t, ctx.w_dtype)
+                wgrad = quantize.fp8_gemm_unchecked(dy_t, x_t, ctx.w_dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 # float32 accumulation without a float32 copy of dy
                 dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
