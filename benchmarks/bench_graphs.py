@@ -96,21 +96,35 @@ def model_row(hidden, seq, layers, rep_ms, fp8, graphed) -> dict:
     model = Model(layers, hidden, fp8)
     x = torch.randn(seq, 1, hidden, device="cuda", dtype=BF16, requires_grad=True)
     dy = torch.randn_like(x)
-    if graphed:
-        te.make_graphed_callables(model, (x,))
 
     def step():
         model(x).backward(dy)
-    step()
+    step()                               # gradients and FP8 state exist from here on
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
+    if graphed:                          # the graphs' pool holds a step's activations
+        te.make_graphed_callables(model, (x,))
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
     return {"precision": "fp8" if fp8 else "bf16", "graphed": graphed,
             "step_ms": median_ms(step, rep_ms=rep_ms), "peak_act_GiB": peak,
-            "host_us": host_us(step, 20)}
+            "host_us": host_us(step, 20), "kernels": kernel_summary(step)}
+
+
+def kernel_summary(step, steps: int = 3, top: int = 12) -> list:
+    """GPU time per kernel name over ``steps`` steps (torch.profiler), the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / steps / 1e3, e.count // steps)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return [{"kernel": k[:80], "ms_per_step": round(ms, 3), "calls_per_step": n}
+            for k, ms, n in rows[:top]]
 
 
 def model_rows(hidden, seq, layers, rep_ms):
@@ -118,7 +132,7 @@ def model_rows(hidden, seq, layers, rep_ms):
     for fp8 in (True, False):
         for graphed in (False, True):
             rows.append(model_row(hidden, seq, layers, rep_ms, fp8, graphed))
-            print(f"  {rows[-1]}", flush=True)
+            print(f"  {({k: v for k, v in rows[-1].items() if k != 'kernels'})}", flush=True)
     return rows
 
 
@@ -172,6 +186,11 @@ def main(argv=None):
         print(table([[r["precision"], r["graphed"], f"{r['step_ms']:.2f}",
                       f"{r['peak_act_GiB']:.2f}", f"{r['host_us']:.0f}"] for r in result["model"]],
                     ["precision", "graphed", "step ms", "peak act GiB", "host us/step"]))
+        for r in result["model"]:
+            if r["graphed"]:
+                print(f"top kernels, {r['precision']} graphed:")
+                for k in r["kernels"][:8]:
+                    print(f"  {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<4} {k['kernel']}")
     print(f"wrote {path}")
 
 

@@ -19,9 +19,10 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import distributed
+from . import distributed, recompute
 from .module.base import default_device
 from .fp8 import FP8GlobalStateManager
+from .rng import check_dropout_replayable
 from .module.layernorm_linear import LayerNormLinear, pack_outputs
 from .module.linear import Linear
 from .utils import (check_choice, check_dropout, check_eps, check_hidden_states_dtype,
@@ -182,6 +183,7 @@ class DotProductAttention(torch.nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         p = self.attention_dropout if self.training else 0.0
+        check_dropout_replayable("te.DotProductAttention", p, q, recompute.in_region())
         rng = (self.get_rng_state_tracker().fork()
                if p > 0.0 and self.get_rng_state_tracker is not None else contextlib.nullcontext())
         with rng:

@@ -181,6 +181,7 @@ class _GraphedCallable:
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.replay = None
 
     def run_forward(self):
         n = len(self.static_inputs) - len(self.keys)
@@ -205,8 +206,16 @@ class _GraphedCallable:
             self.static_grad_inputs = _backward(self.static_outputs, self.grad_inputs,
                                                 self.static_grad_outputs, allow_unused,
                                                 retain_graph)
+        # Drop the captured autograd graph: it would keep the parameters' gradient
+        # accumulators of the capture stream alive for every later backward.
+        self.static_outputs = tuple(o.detach() for o in self.static_outputs)
+        self.replay = self._make_function()
 
-    def function(self):
+    def _make_function(self):
+        """The autograd Function that replays the two graphs. Gradients are returned as
+        the graph's own buffers, not detached views of them: autograd then copies a
+        buffer into an empty ``.grad`` (a view would be adopted as ``.grad``, and the
+        next replay would overwrite it) and adds it to an existing one."""
         graphed = self
 
         class Graphed(torch.autograd.Function):
@@ -228,7 +237,7 @@ class _GraphedCallable:
                         elif static.data_ptr() != g.data_ptr():
                             static.copy_(g)
                 graphed.bwd_graph.replay()
-                return tuple(None if g is None else g.detach() for g in graphed.static_grad_inputs)
+                return graphed.static_grad_inputs
 
         return Graphed
 
@@ -242,15 +251,17 @@ class _GraphedCallable:
                             f"and keyword tensor arguments it was captured with "
                             f"({len(self.static_inputs) - len(self.keys)} positional, keywords "
                             f"{list(self.keys)}), got {len(args)} positional and {list(kwargs)}")
-        inputs = tuple(args) + tuple(kwargs[k] for k in self.keys)
+        inputs = args + tuple(kwargs[k] for k in self.keys) if kwargs else args
         for static, given in zip(self.static_inputs, inputs):
+            if given is static:
+                continue
             if not torch.is_tensor(given) or given.shape != static.shape \
                     or given.dtype != static.dtype or given.device != static.device:
                 raise ValueError(f"{_API}: a graphed callable needs inputs of the captured "
                                  f"shape, dtype and device ({tuple(static.shape)}, {static.dtype},"
                                  f" {static.device}), got {_describe(given)}")
         params = self.grad_inputs[len(self.static_inputs):]
-        leaves = self.function().apply(*inputs, *params)
+        leaves = self.replay.apply(*inputs, *params)
         return rebuild_nested(list(leaves), self.out_spec)
 
 

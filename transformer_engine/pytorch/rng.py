@@ -8,7 +8,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["CudaRNGStatesTracker", "RngSnapshot"]
+__all__ = ["CudaRNGStatesTracker", "RngSnapshot", "check_dropout_replayable"]
 
 
 def _tracker_device() -> torch.device:
@@ -72,6 +72,10 @@ class CudaRNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("CudaRNGStatesTracker.fork: the tracker's states are not "
+                               "graph-safe; draw from torch's default generator inside a CUDA "
+                               "graph (e.g. no get_rng_state_tracker for dropout there)")
         if name not in self.states_:
             raise KeyError(f"CudaRNGStatesTracker.fork: no state named {name!r}; "
                            f"call add({name!r}, seed) first (known: {sorted(self.states_)})")
@@ -85,11 +89,17 @@ class CudaRNGStatesTracker:
 
 
 class RngSnapshot:
-    """RNG states at a checkpoint call, replayed for its recompute."""
+    """RNG states at a checkpoint call, replayed for its recompute.
+
+    Inside CUDA graph capture the CUDA generators' states cannot be read; the snapshot
+    then holds none, and `check_dropout_replayable` refuses the dropout of TE modules
+    in such a region (a recompute inside a graph would draw other masks)."""
 
     def __init__(self, tracker: Optional[CudaRNGStatesTracker]):
         self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.cuda = (torch.cuda.get_rng_state_all()
+                     if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing()
+                     else None)
         self.tracker = tracker
         self.tracker_states = tracker.get_states() if tracker is not None else None
 
@@ -111,3 +121,12 @@ class RngSnapshot:
                 torch.cuda.set_rng_state_all(now_cuda)
             if now_tracker is not None:
                 self.tracker.set_states(now_tracker)
+
+
+def check_dropout_replayable(api: str, p: float, x: torch.Tensor, in_region: bool) -> None:
+    """Refuse dropout that a checkpoint recompute inside a CUDA graph could not replay
+    (see `RngSnapshot`)."""
+    if p > 0.0 and in_region and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{api}: dropout (p={p}) inside a te.checkpoint region that is "
+                           "captured in a CUDA graph is not supported: its recompute could not "
+                           "replay the masks. Use dropout 0 in graphed checkpointed regions.")

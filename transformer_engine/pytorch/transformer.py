@@ -27,10 +27,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from . import recompute
 from .attention import QKV_FORMATS, MultiheadAttention
 from .fp8 import FP8GlobalStateManager
 from .module.layernorm import LayerNorm, RMSNorm
 from .module.layernorm_mlp import LayerNormMLP
+from .rng import check_dropout_replayable
 from .utils import (check_choice, check_dropout, check_eps, check_hidden_states_dtype,
                     check_normalization, check_positive_int)
 
@@ -113,6 +115,8 @@ class TransformerLayer(torch.nn.Module):
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.hidden_dropout == 0.0 or not self.training:
             return residual + x
+        check_dropout_replayable("te.TransformerLayer", self.hidden_dropout, x,
+                                 recompute.in_region())
         return residual + F.dropout(x, p=self.hidden_dropout, training=True)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
