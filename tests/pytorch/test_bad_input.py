@@ -251,9 +251,9 @@ CONSTRUCTOR_CASES = [
           "te.Linear: out_features must be a positive int, got -1", "linear-out-features-negative"),
     _case(lambda: te.Linear(16.0, 16), ValueError,
           "te.Linear: in_features must be a positive int, got 16.0", "linear-in-features-float"),
-    _case(lambda: te.Linear(16, 16, params_dtype=torch.float16), TypeError,
-          "te.Linear: params_dtype must be torch.float32 or torch.bfloat16, got torch.float16",
-          "linear-params-dtype-fp16"),
+    _case(lambda: te.Linear(16, 16, params_dtype=torch.float64), TypeError,
+          "te.Linear: params_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
+          "torch.float64", "linear-params-dtype-fp64"),
     _case(lambda: te.Linear(16, 16, parallel_mode="diagonal"), ValueError,
           r"te.Linear: parallel_mode must be one of \(None, 'column', 'row'\), got 'diagonal'",
           "linear-parallel-mode"),
@@ -269,7 +269,7 @@ CONSTRUCTOR_CASES = [
           "linear-column-indivisible"),
     # te.LayerNorm / te.RMSNorm
     _case(lambda: te.LayerNorm(0), ValueError,
-          "te.LayerNorm: hidden_size must be a positive int, got 0", "layernorm-hidden-zero"),
+          "te.LayerNorm: normalized_shape must be a positive int, got 0", "layernorm-hidden-zero"),
     _case(lambda: te.RMSNorm(16, eps=0), ValueError,
           "te.RMSNorm: eps must be a finite positive float, got 0", "rmsnorm-eps-zero"),
     _case(lambda: te.LayerNorm(16, eps=-1.0), ValueError,
@@ -281,7 +281,8 @@ CONSTRUCTOR_CASES = [
     _case(lambda: te.LayerNorm(16, eps="1e-5"), ValueError,
           "te.LayerNorm: eps must be a finite positive float, got '1e-5'", "layernorm-eps-str"),
     _case(lambda: te.RMSNorm(16, params_dtype=torch.float64), TypeError,
-          "te.RMSNorm: params_dtype must be torch.float32 or torch.bfloat16, got torch.float64",
+          "te.RMSNorm: params_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
+          "torch.float64",
           "rmsnorm-params-dtype"),
     # te.LayerNormLinear
     _case(lambda: te.LayerNormLinear(64, 32, normalization="BatchNorm"), ValueError,
@@ -309,9 +310,9 @@ CONSTRUCTOR_CASES = [
     _case(lambda: te.DotProductAttention(4, 16, num_gqa_groups=3), ValueError,
           "te.DotProductAttention: num_gqa_groups=3 must divide num_attention_heads=4",
           "dpa-gqa-groups"),
-    _case(lambda: te.DotProductAttention(4, 16, qkv_format="thd"), ValueError,
-          r"te.DotProductAttention: qkv_format must be one of \('sbhd', 'bshd'\), got 'thd'",
-          "dpa-qkv-format"),
+    _case(lambda: te.DotProductAttention(4, 16, qkv_format="tbhd"), ValueError,
+          r"te.DotProductAttention: qkv_format must be one of \('sbhd', 'bshd', 'thd'\), got "
+          "'tbhd'", "dpa-qkv-format"),
     _case(lambda: te.DotProductAttention(4, 16, attn_mask_type="sliding"), ValueError,
           "te.DotProductAttention: attn_mask_type must be one of .*got 'sliding'",
           "dpa-mask-type"),
@@ -338,9 +339,9 @@ CONSTRUCTOR_CASES = [
     _case(lambda: te.MultiheadAttention(64, 4, layernorm_epsilon=-1e-5), ValueError,
           "te.MultiheadAttention: layernorm_epsilon must be a finite positive float, got -1e-05",
           "mha-layernorm-epsilon"),
-    _case(lambda: te.MultiheadAttention(64, 4, params_dtype=torch.float16), TypeError,
-          "te.MultiheadAttention: params_dtype must be torch.float32 or torch.bfloat16",
-          "mha-params-dtype"),
+    _case(lambda: te.MultiheadAttention(64, 4, params_dtype=torch.float64), TypeError,
+          "te.MultiheadAttention: params_dtype must be torch.float32, torch.bfloat16 or "
+          "torch.float16", "mha-params-dtype"),
     # te.TransformerLayer
     _case(lambda: te.TransformerLayer(0, 128, 4), ValueError,
           "te.TransformerLayer: hidden_size must be a positive int, got 0", "layer-hidden-zero"),
@@ -352,7 +353,7 @@ CONSTRUCTOR_CASES = [
           "layer-layernorm-epsilon"),
     _case(lambda: te.TransformerLayer(64, 128, 4, normalization="BatchNorm"), ValueError,
           "te.TransformerLayer: normalization must be one of", "layer-normalization"),
-    _case(lambda: te.TransformerLayer(64, 128, 4, attn_input_format="thd"), ValueError,
+    _case(lambda: te.TransformerLayer(64, 128, 4, attn_input_format="tbhd"), ValueError,
           "te.TransformerLayer: attn_input_format must be one of", "layer-input-format"),
 ]
 
@@ -491,7 +492,7 @@ CALL_CASES = [
           "torch.int64", "dpa-qkv-int"),
     _case(_call(lambda: te.DotProductAttention(4, 16), [0.0], _qkv, _qkv), TypeError,
           "te.DotProductAttention: query_layer must be a tensor, got list", "dpa-query-list"),
-    _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, _qkv, _qkv, qkv_format="thd"),
+    _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, _qkv, _qkv, qkv_format="tbhd"),
           ValueError, "te.DotProductAttention: qkv_format must be one of", "dpa-call-format"),
     # te.MultiheadAttention
     _case(_call(lambda: te.MultiheadAttention(64, 4, device=CPU), _f32(32, 64)), ValueError,

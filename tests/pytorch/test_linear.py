@@ -143,8 +143,9 @@ def test_bad_input():
             te.Linear(24, 16, device="cpu")(torch.randn(16, 24))
     with pytest.raises(ValueError, match="in_features must be a positive int, got 0"):
         te.Linear(0, 16)
-    with pytest.raises(TypeError, match="params_dtype must be torch.float32 or torch.bfloat16"):
-        te.Linear(16, 16, params_dtype=torch.float16)
+    with pytest.raises(TypeError, match="params_dtype must be torch.float32, torch.bfloat16 or "
+                       "torch.float16"):
+        te.Linear(16, 16, params_dtype=torch.float64)
     with te.autocast():
         with pytest.raises(TypeError, match="FP8 GEMMs produce float32, bfloat16 or float16"):
             te.Linear(16, 16, device="cpu")(torch.randn(16, 16, dtype=torch.float64))

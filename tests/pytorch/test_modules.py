@@ -143,11 +143,23 @@ def qkv_split_ref(mixed, h, g, d, interleaved):
     return pick(q_rows), pick(k_rows), pick(v_rows)
 
 
+def fused_qkv_ref(p, prefix):
+    """The QKV weight and bias: the fused ones, or TE's default split parameters
+    (``query_weight``, ...) concatenated, which is the non-interleaved layout."""
+    if prefix + "weight" in p:
+        return p[prefix + "weight"], p[prefix + "bias"], None
+    parts = ("query", "key", "value")
+    return (torch.cat([p[f"{prefix}{n}_weight"] for n in parts]),
+            torch.cat([p[f"{prefix}{n}_bias"] for n in parts]), False)
+
+
 def mha_ref(p, x, heads, groups, d, interleaved, mask_type, mask=None, ln=("LayerNorm", 1e-5, False)):
     """MultiheadAttention(input_layernorm=True) on float64 parameters ``p``."""
     h_ln = norm_ref(x, p["layernorm_qkv.layer_norm_weight"], p.get("layernorm_qkv.layer_norm_bias"),
                     *ln)
-    mixed = h_ln @ p["layernorm_qkv.weight"].t() + p["layernorm_qkv.bias"]
+    w_qkv, b_qkv, layout = fused_qkv_ref(p, "layernorm_qkv.")
+    interleaved = interleaved if layout is None else layout
+    mixed = h_ln @ w_qkv.t() + b_qkv
     q, k, v = qkv_split_ref(mixed, heads, groups, d, interleaved)
     ctx = attention_ref(q, k, v, "sbhd", mask_type, mask)
     return ctx @ p["proj.weight"].t() + p["proj.bias"], h_ln
@@ -553,7 +565,7 @@ def test_attention_dropout_draws_from_tracker():
 def test_multihead_attention_high_precision(groups, interleaved):
     m = te.MultiheadAttention(64, 4, attention_dropout=0.0, num_gqa_groups=groups,
                               input_layernorm=True, qkv_weight_interleaved=interleaved,
-                              attn_mask_type="padding", device="cpu")
+                              fuse_qkv_params=True, attn_mask_type="padding", device="cpu")
     assert m.layernorm_qkv.weight.shape == ((4 + 2 * groups) * 16, 64)
     randomize_(m)
     mask = _padding(2, 16, [16, 9])
@@ -574,7 +586,8 @@ def test_multihead_attention_high_precision(groups, interleaved):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_multihead_attention_fp8(recipe):
     m = te.MultiheadAttention(64, 4, attention_dropout=0.0, num_gqa_groups=2, input_layernorm=True,
-                              return_layernorm_output=True, return_bias=True, device="cpu")
+                              return_layernorm_output=True, return_bias=True, fuse_qkv_params=True,
+                              device="cpu")
     randomize_(m)
     fmt = recipe.fp8_format.value
     for step in range(2):

@@ -1,7 +1,8 @@
 """``import transformer_engine.pytorch as te``: the public names, as TE spells them."""
 
 from . import distributed
-from .attention import DotProductAttention, MultiheadAttention
+from .attention import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,
+                        apply_rotary_pos_emb)
 from .distributed import CudaRNGStatesTracker, checkpoint
 from .fp8 import (FP8GlobalStateManager, autocast, fp8_autocast, fp8_model_init,
                   get_default_fp8_recipe, is_fp8_available, quantized_model_init)
@@ -16,4 +17,5 @@ __all__ = [
     "quantized_model_init", "fp8_model_init", "make_graphed_callables",
     "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
     "DotProductAttention", "MultiheadAttention", "TransformerLayer", "TransformerEngineBaseModule",
+    "RotaryPositionEmbedding", "apply_rotary_pos_emb",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "TensorParallelConfig", "mark_sequence_parallel",
     "chunk_numel", "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
+    "check_process_group",
 ]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -186,15 +187,20 @@ def mark_sequence_parallel(*params: Optional[torch.Tensor]) -> None:
             p.sequence_parallel = True
 
 
-def _check_group(api: str, tp_group) -> None:
-    if tp_group is None:
+def check_process_group(api: str, name: str, group) -> None:
+    """None, or a ``ProcessGroup`` of an initialized ``torch.distributed``."""
+    if group is None:
         return
-    if not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
-        raise TypeError(f"{api}: tp_group must be a torch.distributed.ProcessGroup or None, "
-                        f"got {type(tp_group).__name__}")
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{api}: {name} must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(group).__name__}")
     if not dist.is_initialized():
-        raise ValueError(f"{api}: tp_group was given but torch.distributed is not "
+        raise ValueError(f"{api}: {name} was given but torch.distributed is not "
                          "initialized; call torch.distributed.init_process_group() first")
+
+
+def _check_group(api: str, tp_group) -> None:
+    check_process_group(api, "tp_group", tp_group)
 
 
 class TensorParallelConfig:

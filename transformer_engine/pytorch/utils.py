@@ -12,10 +12,12 @@ import torch
 __all__ = ["flatten_nested", "rebuild_nested", "NORMALIZATIONS", "PARAM_DTYPES",
            "check_positive_int", "check_normalization", "check_eps", "check_input",
            "check_params_dtype", "check_input_dtype", "check_choice", "check_dropout",
-           "check_hidden_states_dtype"]
+           "check_hidden_states_dtype", "check_bool", "check_optional_positive_int",
+           "reject_unsupported", "UNSUPPORTED_DOC"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-PARAM_DTYPES = (torch.float32, torch.bfloat16)
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+UNSUPPORTED_DOC = "README section 'Unsupported arguments'"
 
 
 # ---- argument checks ---------------------------------------------------------------------
@@ -55,7 +57,8 @@ def check_input(api: str, inp, features: int, name: str = "hidden_size") -> None
 def check_params_dtype(api: str, params_dtype) -> torch.dtype:
     dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
     if dtype not in PARAM_DTYPES:
-        raise TypeError(f"{api}: params_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        raise TypeError(f"{api}: params_dtype must be torch.float32, torch.bfloat16 or "
+                        f"torch.float16, got {dtype}")
     return dtype
 
 
@@ -68,6 +71,32 @@ def check_input_dtype(api: str, x: torch.Tensor, weight: torch.Tensor, fp8: bool
                         f"have the parameters' dtype {weight.dtype}, got {x.dtype}; cast the "
                         f"input, build the module with params_dtype={x.dtype}, or run it "
                         "under torch.autocast")
+
+
+def check_bool(api: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{api}: {name} must be a bool, got {value!r}")
+    return value
+
+
+def check_optional_positive_int(api: str, name: str, value):
+    """None, or a positive int."""
+    return None if value is None else check_positive_int(api, name, value)
+
+
+def reject_unsupported(api: str, **settings) -> None:
+    """Refuse the TE keyword arguments whose feature this package does not implement.
+
+    ``settings`` maps each argument's name to ``(value, default)``; a value other than
+    its default raises ``NotImplementedError`` naming the argument, so a TE script that
+    relies on the feature stops instead of silently running without it.
+    """
+    for name, (value, default) in settings.items():
+        if value is default or (type(value) is type(default) and value == default):
+            continue
+        raise NotImplementedError(
+            f"{api}: {name}={value!r} is not implemented by this pure-PyTorch Transformer "
+            f"Engine; leave it at its default ({default!r}). See the {UNSUPPORTED_DOC}.")
 
 
 def check_choice(api: str, name: str, value, choices) -> str:

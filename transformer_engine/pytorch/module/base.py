@@ -14,6 +14,7 @@ from .. import distributed, quantize, recompute
 from ..fp8 import FP8GlobalStateManager
 from ..scaling import ScalingState
 from . import extra_state
+from .params import ParameterInitMixin
 
 __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
            "no_autocast"]
@@ -50,28 +51,40 @@ class ForwardPlan:
     recompute). ``session``: the autocast session whose backward update this call's
     backward asks for (a delayed-scaling FP8 training forward, or its recompute), else
     None (NOTE [Delayed-scaling update order] in amax_update.py).
+    ``is_first_microbatch``: the value the caller passed to the module's forward
+    (None, True or False). Not used yet: it is the one place where caching the FP8
+    weights across the micro-batches of a step will read it (TE casts the weights
+    when it is None or True and reuses that cast when it is False).
     """
 
     fp8: bool
     recipe: Optional[Recipe]
     record_amax: bool
     session: Any = None
+    is_first_microbatch: Optional[bool] = None
 
     @property
     def delayed(self) -> bool:
         return self.recipe is not None and self.recipe.delayed()
 
 
-class TransformerEngineBaseModule(torch.nn.Module):
+class TransformerEngineBaseModule(ParameterInitMixin):
     """Base of TE modules: owns ``fp8_meta`` (``"recipe"``, ``"scaling_fwd"``,
     ``"scaling_bwd"``) for its ``num_gemms`` GEMMs: forward tensors are
-    ``[input, weight]`` per GEMM, backward tensors ``[grad_output]`` per GEMM."""
+    ``[input, weight]`` per GEMM, backward tensors ``[grad_output]`` per GEMM.
+    Parameters are registered with their initializers and ``reset_parameters()``
+    (re)initializes them (NOTE [Parameter initialization] in params.py). ``name``
+    is TE's debugging name; errors about the FP8 state quote it."""
 
     FWD_TENSORS_PER_GEMM = 2
     BWD_TENSORS_PER_GEMM = 1
 
-    def __init__(self, num_gemms: int = 1):
+    def __init__(self, num_gemms: int = 1, name: Optional[str] = None):
         super().__init__()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"{type(self).__name__}: name must be a str or None, "
+                            f"got {type(name).__name__}")
+        self.name = name
         self.fp8 = False
         self.fp8_calibration = False
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
@@ -108,13 +121,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
                         quantize.resize_amax_history(s.amax_history, recipe.amax_history_len))
 
     @contextlib.contextmanager
-    def prepare_forward(self, inp: Optional[torch.Tensor] = None):
+    def prepare_forward(self, inp: Optional[torch.Tensor] = None,
+                        is_first_microbatch: Optional[bool] = None):
         """Decide how this call uses FP8 and do its recompute bookkeeping.
 
         Phase 1 of a checkpoint stashes the forward state; the recompute swaps the
         stash in for the duration of the forward and puts the live state back after.
-        Yields a `ForwardPlan`.
+        ``is_first_microbatch`` is checked and handed on in the plan (not used yet,
+        see `ForwardPlan`). Yields a `ForwardPlan`.
         """
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
+                            f"True or False, got {is_first_microbatch!r}")
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
         calibrating = FP8GlobalStateManager.is_fp8_calibration() and not fp8
         recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
@@ -124,7 +142,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             self.fp8, self.fp8_calibration = fp8, calibrating     # nn.Module.__setattr__ is slow
         if recipe is not None and self.fp8_meta["recipe"] is not recipe:
             self._adopt_recipe(recipe)
-        plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False)
+        plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
+                           is_first_microbatch=is_first_microbatch)
         swapped = False
         if distributed.in_fp8_activation_recompute_phase():
             if fp8 and plan.delayed:

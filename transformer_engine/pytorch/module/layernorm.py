@@ -11,13 +11,14 @@ pulling the gain towards 0.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..utils import check_eps, check_input, check_params_dtype, check_positive_int
+from ..utils import (check_eps, check_params_dtype, check_positive_int, reject_unsupported)
 from .base import activation_dtype, default_device, no_autocast
+from .params import ParamInit, ParameterInitMixin, constant_init
 
 __all__ = ["LayerNorm", "RMSNorm", "normalize", "make_norm_params"]
 
@@ -32,10 +33,11 @@ _NATIVE_16BIT = (torch.bfloat16, torch.float16)
 def normalize(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               normalization: str, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     """LayerNorm (``(x - mean) / sqrt(var + eps) * gamma + beta``) or RMSNorm
-    (``x / sqrt(mean(x^2) + eps) * gamma``) over the last dimension, in float32;
-    ``gamma = 1 + weight`` when ``zero_centered_gamma``. Returns the activation dtype."""
+    (``x / sqrt(mean(x^2) + eps) * gamma``) over the trailing ``weight.dim()``
+    dimensions, in float32; ``gamma = 1 + weight`` when ``zero_centered_gamma``.
+    Returns the activation dtype."""
     out_dtype = activation_dtype(x)
-    shape = (x.shape[-1],)
+    shape = tuple(weight.shape)
     with no_autocast(x.device.type):
         if (normalization == "LayerNorm" and not zero_centered_gamma and x.is_cuda
                 and x.dtype in _NATIVE_16BIT and x.dtype == out_dtype == weight.dtype
@@ -53,72 +55,128 @@ def normalize(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return y.to(out_dtype)
 
 
-def make_norm_params(module: torch.nn.Module, hidden_size: int, normalization: str,
+def make_norm_params(module: ParameterInitMixin, normalized_shape, normalization: str,
                      zero_centered_gamma: bool, dtype: torch.dtype, device,
                      weight_name: str, bias_name: str) -> None:
     """Register the gain (and, for LayerNorm, the shift) of a normalization under the
-    given names, initialized as TE does (gain 1, or 0 when zero-centered; shift 0)."""
-    fill = 0.0 if zero_centered_gamma else 1.0
-    module.register_parameter(weight_name, torch.nn.Parameter(
-        torch.full((hidden_size,), fill, dtype=dtype, device=device)))
+    given names, with TE's initializers (gain 1, or 0 when zero-centered; shift 0)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    gain = constant_init(0.0 if zero_centered_gamma else 1.0)
+    module.register_initialized(weight_name, torch.empty(shape, dtype=dtype, device=device),
+                                ParamInit(gain))
     if normalization == "LayerNorm":
-        module.register_parameter(bias_name, torch.nn.Parameter(
-            torch.zeros(hidden_size, dtype=dtype, device=device)))
+        module.register_initialized(bias_name, torch.empty(shape, dtype=dtype, device=device),
+                                    ParamInit(constant_init(0.0)))
     else:
         module.register_parameter(bias_name, None)
 
 
-class _Norm(torch.nn.Module):
+def _normalized_shape(api: str, normalized_shape, hidden_size) -> Tuple[int, ...]:
+    """TE's ``normalized_shape`` (an int or ints), or its older name ``hidden_size``."""
+    if hidden_size is not None:
+        if normalized_shape is not None:
+            raise ValueError(f"{api}: pass normalized_shape or its older name hidden_size, not "
+                             f"both (got {normalized_shape!r} and {hidden_size!r})")
+        normalized_shape = hidden_size
+    if normalized_shape is None:
+        raise TypeError(f"{api}: missing normalized_shape (the size of the normalized "
+                        "trailing dimension(s))")
+    dims = (normalized_shape,) if not isinstance(normalized_shape, (tuple, list, torch.Size)) \
+        else tuple(normalized_shape)
+    if not dims:
+        raise ValueError(f"{api}: normalized_shape must name at least one dimension, got "
+                         f"{normalized_shape!r}")
+    return tuple(check_positive_int(api, "normalized_shape", d) for d in dims)
+
+
+class _Norm(ParameterInitMixin):
     _NORMALIZATION = ""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *,
+    def __init__(self, normalized_shape=None, eps: float = 1e-5,
+                 sequence_parallel: Optional[bool] = None,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
-                 device=None):
+                 hidden_size: Optional[int] = None, *, device=None,
+                 dtype: Optional[torch.dtype] = None, sm_margin: int = 0, fwd_sm_margin: int = 0,
+                 bwd_sm_margin: int = 0, inf_sm_margin: int = 0):
         super().__init__()
         api = f"te.{self._NORMALIZATION}"
-        self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
+        reject_unsupported(api, sm_margin=(sm_margin, 0), fwd_sm_margin=(fwd_sm_margin, 0),
+                           bwd_sm_margin=(bwd_sm_margin, 0), inf_sm_margin=(inf_sm_margin, 0))
+        self.normalized_shape = _normalized_shape(api, normalized_shape, hidden_size)
         self.eps = check_eps(api, eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
-        dtype = check_params_dtype(api, params_dtype)
-        make_norm_params(self, hidden_size, self._NORMALIZATION, self.zero_centered_gamma,
-                         dtype, default_device(device), "weight", "bias")
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"{api}: dtype={dtype} and params_dtype={params_dtype} disagree; "
+                             "pass one of them")
+        param_dtype = check_params_dtype(api, params_dtype if params_dtype is not None else dtype)
+        if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+            raise TypeError(f"{api}: sequence_parallel must be a bool or None, "
+                            f"got {sequence_parallel!r}")
+        self.sequence_parallel = sequence_parallel
+        device = default_device(device)
+        make_norm_params(self, self.normalized_shape, self._NORMALIZATION,
+                         self.zero_centered_gamma, param_dtype, device, "weight", "bias")
+        if sequence_parallel is not None:
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    p.sequence_parallel = sequence_parallel
+        self.reset_parameters(defer_init=device.type == "meta")
 
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
-            if self.bias is not None:
-                self.bias.zero_()
+    @property
+    def hidden_size(self) -> int:
+        """How many elements each normalization covers (``normalized_shape``'s product)."""
+        return self.weight.numel()
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        check_input(f"te.{self._NORMALIZATION}", inp, self.hidden_size)
+        api = f"te.{self._NORMALIZATION}"
+        if not torch.is_tensor(inp):
+            raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
+        if not inp.is_floating_point():
+            raise TypeError(f"{api}: input must be a floating-point tensor, got dtype {inp.dtype}")
+        k = len(self.normalized_shape)
+        if inp.dim() < k or tuple(inp.shape[-k:]) != self.normalized_shape:
+            want = (f"last dimension must be hidden_size={self.normalized_shape[0]}" if k == 1
+                    else f"trailing dimensions must be normalized_shape="
+                         f"{list(self.normalized_shape)}")
+            raise ValueError(f"{api}: the input's {want}, got input of shape {tuple(inp.shape)}")
         return normalize(inp, self.weight, self.bias, self._NORMALIZATION, self.eps,
                          self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
-        return (f"{self.hidden_size}, eps={self.eps}, "
-                f"zero_centered_gamma={self.zero_centered_gamma}")
+        shape = self.normalized_shape[0] if len(self.normalized_shape) == 1 \
+            else self.normalized_shape
+        return f"{shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
 
 
 class LayerNorm(_Norm):
-    """``y = (x - mean) / sqrt(var + eps) * gamma + beta`` over the last dimension.
+    """``y = (x - mean) / sqrt(var + eps) * gamma + beta`` over the trailing
+    ``normalized_shape`` dimensions. TE's signature.
 
     Parameters
     ----------
-    hidden_size : int
+    normalized_shape : int or tuple of int
+        The normalized trailing dimension(s); ``hidden_size`` is its older name.
     eps : float, default 1e-5
+    sequence_parallel : bool, optional
+        Marks ``weight`` and ``bias`` with ``sequence_parallel`` (Megatron-LM then sums
+        their gradients over the tensor-parallel group).
     params_dtype : torch.dtype, optional
-        float32 or bfloat16; ``torch.get_default_dtype()`` when None.
+        float32, bfloat16 or float16; ``torch.get_default_dtype()`` when None.
+        ``dtype`` is accepted as its other name.
     zero_centered_gamma : bool, default False
         Store ``gamma - 1`` in ``weight`` (initialized to 0) and scale by ``1 + weight``.
     device : torch.device, optional
-        CUDA if available, else CPU, when None.
+        CUDA if available, else CPU, when None; ``"meta"`` defers initialization to
+        ``reset_parameters()``.
+    sm_margin, fwd_sm_margin, bwd_sm_margin, inf_sm_margin : int, default 0
+        Not implemented (SMs reserved for communication kernels); non-zero raises.
     """
 
     _NORMALIZATION = "LayerNorm"
 
 
 class RMSNorm(_Norm):
-    """``y = x / sqrt(mean(x^2) + eps) * gamma`` over the last dimension (no shift,
-    so ``bias`` is None). Parameters as `LayerNorm`."""
+    """``y = x / sqrt(mean(x^2) + eps) * gamma`` over the trailing ``normalized_shape``
+    dimensions (no shift, so ``bias`` is None). Parameters as `LayerNorm`."""
 
     _NORMALIZATION = "RMSNorm"

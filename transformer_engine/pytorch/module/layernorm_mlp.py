@@ -16,15 +16,17 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
-from ..tensor_parallel import TensorParallelConfig, mark_sequence_parallel
+from ..tensor_parallel import (TensorParallelConfig, gather_from_sequence_parallel_region,
+                               mark_sequence_parallel)
+from ..utils import (check_bool, check_eps, check_input, check_normalization, check_params_dtype,
+                     check_optional_positive_int, check_positive_int, reject_unsupported)
 from .base import TransformerEngineBaseModule, default_device
-from ..utils import (check_eps, check_input, check_normalization, check_params_dtype,
-                     check_positive_int)
 from .layernorm import make_norm_params, normalize
 from .layernorm_linear import pack_outputs
-from .linear import fp8_linear, init_weight_
+from .linear import check_init_args, fp8_linear
+from .params import ParamInit, normal_init, register_linear_params
 
-__all__ = ["LayerNormMLP", "ACTIVATIONS", "activate"]
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "UNSUPPORTED_ACTIVATIONS", "activate"]
 
 
 def _gelu(x: torch.Tensor) -> torch.Tensor:
@@ -40,15 +42,20 @@ def _srelu(x: torch.Tensor) -> torch.Tensor:
 
 
 # name -> (elementwise function, gated). A gated activation splits FC1's output into
-# halves ``[a, b]`` along the last dimension and returns ``f(a) * b``, so FC1 has
-# ``2 * ffn_hidden_size`` outputs.
+# halves ``[a, b]`` along the last dimension and returns ``f(a) * b`` (TE gates the
+# first half; torch's ``F.glu`` gates the second), so FC1 has ``2 * ffn_hidden_size``
+# outputs. "glu" is the sigmoid-gated linear unit.
 ACTIVATIONS: Dict[str, Tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
-    "gelu": (_gelu, False), "geglu": (_gelu, True),
+    "gelu": (_gelu, False), "geglu": (_gelu, True), "glu": (torch.sigmoid, True),
     "qgelu": (_qgelu, False), "qgeglu": (_qgelu, True),
     "relu": (F.relu, False), "reglu": (F.relu, True),
     "srelu": (_srelu, False), "sreglu": (_srelu, True),
     "silu": (F.silu, False), "swiglu": (F.silu, True),
 }
+
+
+# TE activations whose definition takes ``activation_params`` (not implemented here).
+UNSUPPORTED_ACTIVATIONS = ("clamped_swiglu",)
 
 
 # Activations that are one torch op, which computes in float32 for 16-bit inputs and
@@ -72,42 +79,60 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 class LayerNormMLP(TransformerEngineBaseModule):
     """``y = act(Norm(x) W1^T + b1) W2^T + b2``; both GEMMs in FP8 inside an enabled
-    ``te.autocast``, the normalization and the activation in high precision.
+    ``te.autocast``, the normalization and the activation in high precision. TE's
+    signature; parameters in TE's order (``layer_norm_weight``, ``layer_norm_bias``,
+    ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias``).
 
     Parameters
     ----------
     hidden_size, ffn_hidden_size : int
     eps : float, default 1e-5
+    sequence_parallel : bool, default False
+        With ``set_parallel_mode`` the input and output are this rank's slice of the
+        sequence (dim 0); the norm parameters and ``fc2_bias`` get partial gradients
+        (marked ``sequence_parallel``: sum them over the TP group).
+    return_bias : bool, default False
+        Return FC2's bias instead of adding it.
+    get_rng_state_tracker : callable, optional
+        Both weights are initialized under its ``fork()``.
+    tp_group, tp_size : see `te.Linear`
+    init_method, output_layer_init_method : callable, optional
+        Initialize ``fc1_weight`` and ``fc2_weight``; normal(0, 0.023) when None.
     bias : bool, default True
     normalization : "LayerNorm" | "RMSNorm", default "LayerNorm"
     activation : str, default "gelu"
         gelu (tanh approximation), relu, qgelu, srelu, silu, or a gated form geglu,
-        reglu, qgeglu, sreglu, swiglu (``f(first half) * second half`` of FC1's output).
-    zero_centered_gamma : bool, default False
+        glu (sigmoid), reglu, qgeglu, sreglu, swiglu (``f(first half) * second
+        half`` of FC1's output). "clamped_swiglu" is not implemented.
+    activation_params : dict, optional
+        Not implemented (only "clamped_swiglu" takes it); anything but None raises.
+    fuse_wgrad_accumulation : bool, default False
+        Both weight gradients go into ``fc1_weight.main_grad`` / ``fc2_weight.main_grad``.
+    params_dtype : torch.dtype, optional
+        float32, bfloat16 or float16; ``torch.get_default_dtype()`` when None.
     return_layernorm_output : bool, default False
         Also return ``Norm(x)``.
-    return_bias : bool, default False
-        Return FC2's bias instead of adding it.
-    init_method, output_layer_init_method : callable, optional
-        Initialize ``fc1_weight`` and ``fc2_weight``; normal(0, 0.023) when None.
-    params_dtype : torch.dtype, optional
-        float32 or bfloat16; ``torch.get_default_dtype()`` when None.
-    device : torch.device, optional
-        CUDA if available, else CPU, when None.
-    checkpoint : bool, default False
-        Recompute FC1 -> activation -> FC2 during backward instead of keeping their
-        activations (through ``te.checkpoint``, non-reentrant, so FP8 scales are kept
-        right), whenever grad is enabled. The normalization output is kept.
+    return_layernorm_output_gathered : bool, default False
+        With sequence parallelism, return the all-gathered ``Norm(x)``.
+    seq_length, micro_batch_size : int, optional
+        TE's JIT warm-up hints; checked, no effect here (there is no JIT to warm up).
     set_parallel_mode : bool, default False
         Tensor parallelism as in TE: FC1 column-parallel (``fc1_weight`` holds this
         rank's ``ffn_hidden_size / tp`` rows; for a gated activation its halves are
         this rank's slices of the two halves), FC2 row-parallel (``fc2_weight`` holds
         ``ffn_hidden_size / tp`` columns, the output is summed over the group and
         ``fc2_bias`` added after). See NOTE [Tensor-parallel layouts].
-    sequence_parallel, tp_group, tp_size : see `te.Linear`
-        With sequence parallelism the input and output are this rank's slice of the
-        sequence (dim 0); the norm parameters and ``fc2_bias`` get partial gradients
-        (marked ``sequence_parallel``: sum them over the TP group).
+    zero_centered_gamma : bool, default False
+    device : torch.device, optional
+        CUDA if available, else CPU, when None; ``"meta"`` defers initialization.
+    name : str, optional
+    checkpoint : bool, default False
+        Recompute FC1 -> activation -> FC2 during backward instead of keeping their
+        activations (through ``te.checkpoint``, non-reentrant, so FP8 scales are kept
+        right), whenever grad is enabled. The normalization output is kept.
+    ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
+    delay_wgrad_compute, symmetric_ar_type
+        Not implemented: anything but the default raises ``NotImplementedError``.
 
     Returns
     -------
@@ -115,77 +140,111 @@ class LayerNormMLP(TransformerEngineBaseModule):
     ``return_layernorm_output``.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, *,
-                 bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
-                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
-                 return_bias: bool = False, init_method: Optional[Callable] = None,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5,
+                 sequence_parallel: bool = False, return_bias: bool = False,
+                 get_rng_state_tracker: Optional[Callable] = None, tp_group=None,
+                 tp_size: int = 1, init_method: Optional[Callable] = None, bias: bool = True,
+                 normalization: str = "LayerNorm", activation: str = "gelu",
+                 activation_params: Optional[dict] = None,
                  output_layer_init_method: Optional[Callable] = None,
-                 params_dtype: Optional[torch.dtype] = None, device=None,
-                 checkpoint: bool = False, set_parallel_mode: bool = False,
-                 sequence_parallel: bool = False, tp_group=None, tp_size: int = 1):
-        super().__init__(num_gemms=2)
+                 fuse_wgrad_accumulation: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, return_layernorm_output: bool = False,
+                 return_layernorm_output_gathered: bool = False,
+                 seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                 set_parallel_mode: bool = False, zero_centered_gamma: bool = False,
+                 device=None, ub_overlap_ag: bool = False, name: Optional[str] = None,
+                 ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
+                 delay_wgrad_compute: bool = False, symmetric_ar_type: Optional[str] = None,
+                 checkpoint: bool = False):
+        super().__init__(num_gemms=2, name=name)
         api = "te.LayerNormMLP"
-        if not isinstance(set_parallel_mode, bool):
-            raise TypeError(f"{api}: set_parallel_mode must be a bool, got {set_parallel_mode!r}")
+        reject_unsupported(api, ub_overlap_ag=(ub_overlap_ag, False),
+                           ub_overlap_rs=(ub_overlap_rs, False),
+                           ub_overlap_rs_dgrad=(ub_overlap_rs_dgrad, False),
+                           ub_bulk_dgrad=(ub_bulk_dgrad, False),
+                           ub_bulk_wgrad=(ub_bulk_wgrad, False),
+                           delay_wgrad_compute=(delay_wgrad_compute, False),
+                           symmetric_ar_type=(symmetric_ar_type, None),
+                           activation_params=(activation_params, None))
+        self.set_parallel_mode = check_bool(api, "set_parallel_mode", set_parallel_mode)
         self.tp_fc1 = TensorParallelConfig(api, "column" if set_parallel_mode else None,
                                            tp_group, tp_size, sequence_parallel,
                                            split_by="set_parallel_mode=True")
         self.tp_fc2 = TensorParallelConfig(api, "row" if set_parallel_mode else None,
                                            tp_group, tp_size, sequence_parallel, split_by=None)
-        self.set_parallel_mode = set_parallel_mode
         self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
         self.ffn_hidden_size = check_positive_int(api, "ffn_hidden_size", ffn_hidden_size)
         self.eps = check_eps(api, eps)
         self.normalization = check_normalization(api, normalization)
+        if activation in UNSUPPORTED_ACTIVATIONS:
+            raise NotImplementedError(f"{api}: activation={activation!r} is not implemented by "
+                                      "this pure-PyTorch Transformer Engine; use one of "
+                                      f"{sorted(ACTIVATIONS)}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"{api}: activation must be one of {sorted(ACTIVATIONS)}, "
                              f"got {activation!r}")
-        if not isinstance(checkpoint, bool):
-            raise TypeError(f"{api}: checkpoint must be a bool, got {checkpoint!r}")
-        self.activation, self.checkpoint = activation, checkpoint
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
-        self.use_bias = bias
+        self.activation = activation
+        self.checkpoint = check_bool(api, "checkpoint", checkpoint)
+        self.zero_centered_gamma = check_bool(api, "zero_centered_gamma", zero_centered_gamma)
+        self.return_layernorm_output = check_bool(api, "return_layernorm_output",
+                                                  return_layernorm_output)
+        self.return_layernorm_output_gathered = check_bool(
+            api, "return_layernorm_output_gathered", return_layernorm_output_gathered)
+        self.return_bias = check_bool(api, "return_bias", return_bias)
+        self.use_bias = check_bool(api, "bias", bias)
+        self.fuse_wgrad_accumulation = check_bool(api, "fuse_wgrad_accumulation",
+                                                  fuse_wgrad_accumulation)
+        self.seq_length = check_optional_positive_int(api, "seq_length", seq_length)
+        self.micro_batch_size = check_optional_positive_int(api, "micro_batch_size",
+                                                            micro_batch_size)
+        check_init_args(api, init_method, get_rng_state_tracker, None)
+        check_init_args(api, output_layer_init_method, None, None)
         dtype = check_params_dtype(api, params_dtype)
         device = default_device(device)
+        self.get_rng_state_tracker = get_rng_state_tracker
         make_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, dtype,
                          device, "layer_norm_weight", "layer_norm_bias")
         local_ffn = self.tp_fc1.local_features("ffn_hidden_size", ffn_hidden_size)
         fc1_out = local_ffn * (2 if ACTIVATIONS[activation][1] else 1)
-        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype,
-                                                         device=device))
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, local_ffn,
-                                                         dtype=dtype, device=device))
-        (init_method or init_weight_)(self.fc1_weight)
-        (output_layer_init_method or init_weight_)(self.fc2_weight)
-        if bias:
-            self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device))
-            self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype,
-                                                           device=device))
-        else:
-            self.register_parameter("fc1_bias", None)
-            self.register_parameter("fc2_bias", None)
+        register_linear_params(self, [("fc1_", fc1_out)], hidden_size, self.use_bias, dtype,
+                               device, ParamInit(init_method or normal_init,
+                                                 get_rng_state_tracker))
+        register_linear_params(self, [("fc2_", hidden_size)], local_ffn, self.use_bias, dtype,
+                               device, ParamInit(output_layer_init_method or normal_init,
+                                                 get_rng_state_tracker))
         self.tp_fc1.mark_params(self.fc1_weight, self.fc1_bias)
         self.tp_fc2.mark_params(self.fc2_weight, self.fc2_bias)
         if self.tp_fc1.sequence_parallel and self.tp_fc1.size > 1:
             mark_sequence_parallel(self.layer_norm_weight, self.layer_norm_bias)
+        self._sync_tp_attributes()
+        self.reset_parameters(defer_init=device.type == "meta")
+
+    def _sync_tp_attributes(self) -> None:
+        self.sequence_parallel = self.tp_fc1.sequence_parallel
+        self.tp_group, self.tp_size = self.tp_fc1.tp_group, self.tp_fc1.tp_size
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Attach the tensor-parallel group (for a module built with ``tp_size``)."""
         self.tp_fc1.set_group(tp_group)
         self.tp_fc2.set_group(tp_group)
+        self._sync_tp_attributes()
 
-    def _fc1_act_fc2(self, ln_out: torch.Tensor) -> torch.Tensor:
+    def _fc1_act_fc2(self, ln_out: torch.Tensor, is_first_microbatch: Optional[bool] = None
+                     ) -> torch.Tensor:
         """FC1 -> activation -> FC2: the module's one FP8 forward (one prepare_forward)."""
         api = "te.LayerNormMLP"
-        with self.prepare_forward(ln_out) as plan:
+        fuse = self.fuse_wgrad_accumulation
+        with self.prepare_forward(ln_out, is_first_microbatch) as plan:
             fc1_out = fp8_linear(api, self.tp_fc1.column_input(ln_out), self.fc1_weight,
-                                 self.fc1_bias, plan, self.fp8_meta, gemm=0)
+                                 self.fc1_bias, plan, self.fp8_meta, gemm=0,
+                                 fuse_wgrad_accumulation=fuse)
             act_out = activate(fc1_out, self.activation)
             row = self.tp_fc2.size > 1
             fc2_bias = None if (self.return_bias or row) else self.fc2_bias
             out = self.tp_fc2.row_output(fp8_linear(api, act_out, self.fc2_weight, fc2_bias,
-                                                    plan, self.fp8_meta, gemm=1))
+                                                    plan, self.fp8_meta, gemm=1,
+                                                    fuse_wgrad_accumulation=fuse))
         if row and not self.return_bias and self.fc2_bias is not None:
             out = out + self.fc2_bias.to(out.dtype)
         return out
@@ -197,14 +256,21 @@ class LayerNormMLP(TransformerEngineBaseModule):
         params = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
         return ln_out.requires_grad or any(p is not None and p.requires_grad for p in params)
 
-    def forward(self, inp: torch.Tensor):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """The MLP on ``inp``; ``is_first_microbatch`` accepted (not used yet, see
+        `ForwardPlan`)."""
         check_input("te.LayerNormMLP", inp, self.hidden_size)
         ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
                            self.normalization, self.eps, self.zero_centered_gamma)
+        args = (ln_out,) if is_first_microbatch is None else (ln_out, is_first_microbatch)
         if self._worth_checkpointing(ln_out):
-            out = distributed.checkpoint(self._fc1_act_fc2, ln_out, use_reentrant=False)
+            out = distributed.checkpoint(self._fc1_act_fc2, *args, use_reentrant=False)
         else:
-            out = self._fc1_act_fc2(ln_out)
+            out = self._fc1_act_fc2(*args)
+        if (self.return_layernorm_output_gathered and self.tp_fc1.sequence_parallel
+                and self.tp_fc1.size > 1):
+            ln_out = gather_from_sequence_parallel_region(ln_out, self.tp_fc1.tp_group,
+                                                          "te.LayerNormMLP")
         return pack_outputs(out, self.fc2_bias, self.return_bias,
                             ln_out if self.return_layernorm_output else None)
 

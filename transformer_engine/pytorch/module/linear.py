@@ -6,7 +6,7 @@ The GEMM names (forward, dgrad, wgrad) are those of NOTE [GEMM vocabulary] in
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +14,15 @@ import torch.nn.functional as F
 from .. import quantize
 from ..amax_update import count_non_finite, request_backward_update
 from ..tensor_parallel import TensorParallelConfig
-from ..utils import check_input_dtype, check_params_dtype
+from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
+                     reject_unsupported)
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
+from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
+from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
+                     split_parameters)
 
-__all__ = ["Linear", "fp8_linear", "init_weight_"]
+__all__ = ["Linear", "fp8_linear", "init_weight_", "check_init_args", "local_parts"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -26,7 +30,7 @@ _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def init_weight_(weight: torch.Tensor) -> None:
     """TE's default weight init: normal with std 0.023."""
     with torch.no_grad():
-        weight.normal_(0.0, 0.023)
+        normal_init(weight)
 
 
 def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
@@ -55,7 +59,8 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype):
+                plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
+                fuse_wgrad: bool):
         fmt = plan.recipe.fp8_format.value
         state = fp8_meta["scaling_fwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
@@ -71,6 +76,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                               w_t.data if w_t is not None else None, w_fp8.scale_inv)
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.main_grad_weight = weight if fuse_wgrad else None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -93,20 +99,26 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dgrad = quantize.fp8_gemm_unchecked(dy_fp8, w_t, ctx.x_dtype)
             if need_wgrad:
                 x_t = quantize.Float8Data(x_t_data, x_scale_inv)
-                wgrad = quantize.fp8_gemm_unchecked(dy_t, x_t, ctx.w_dtype)
+                if ctx.main_grad_weight is None:
+                    wgrad = quantize.fp8_gemm_unchecked(dy_t, x_t, ctx.w_dtype)
+                else:       # NOTE [Fused wgrad accumulation] in main_grad.py
+                    wgrad = accumulate_into_main_grad(
+                        ctx.main_grad_weight, quantize.fp8_gemm_unchecked(dy_t, x_t, torch.float32))
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 # float32 accumulation without a float32 copy of dy
                 dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         if plan.session is not None:
             request_backward_update(plan.session)
-        return dgrad, wgrad, dbias, None, None, None, None
+        return dgrad, wgrad, dbias, None, None, None, None, None
 
 
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               plan: ForwardPlan, fp8_meta: dict, gemm: int = 0) -> torch.Tensor:
+               plan: ForwardPlan, fp8_meta: dict, gemm: int = 0,
+               fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
     """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
-    slots in the module's scaling state."""
+    slots in the module's scaling state. ``fuse_wgrad_accumulation``: the wgrad goes
+    into ``weight.main_grad`` (NOTE [Fused wgrad accumulation] in main_grad.py)."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
@@ -114,12 +126,16 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if not x.is_floating_point():
         raise TypeError(f"{api}: input must be a floating-point tensor, got dtype {x.dtype}")
     check_input_dtype(api, x, weight, plan.fp8)
+    if fuse_wgrad_accumulation:
+        check_main_grad(api, weight)
     if not plan.fp8:
         if plan.record_amax:
             state = fp8_meta["scaling_fwd"]
             i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
             state.record_amax(i, quantize.amax(x))
             state.record_amax(i + 1, quantize.amax(weight))
+        if fuse_wgrad_accumulation:
+            return linear_into_main_grad(x, weight, bias)
         return F.linear(x, weight, bias)
     out_dtype = activation_dtype(x)
     if out_dtype not in _ACT_DTYPES:
@@ -129,95 +145,166 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if x2d.shape[0] % 16 or in_features % 16 or out_features % 16:
         quantize.check_gemm_shape(api, x2d.shape[0], in_features, out_features,
                                   f"input of shape {tuple(x.shape)}")
-    y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype)
+    y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype,
+                                 fuse_wgrad_accumulation)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
+
+def check_init_args(api: str, init_method, get_rng_state_tracker, rng_tracker_name) -> None:
+    """The initializer arguments TE modules share."""
+    if init_method is not None and not callable(init_method):
+        raise TypeError(f"{api}: init_method must be a callable init_method(weight) or None, "
+                        f"got {type(init_method).__name__}")
+    if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+        raise TypeError(f"{api}: get_rng_state_tracker must be a callable returning a "
+                        f"CudaRNGStatesTracker, got {type(get_rng_state_tracker).__name__}")
+    if rng_tracker_name is not None and not isinstance(rng_tracker_name, str):
+        raise TypeError(f"{api}: rng_tracker_name must be a str or None, got {rng_tracker_name!r}")
+
+
+def local_parts(tp: TensorParallelConfig, parts):
+    """``split_parameters`` parts with their rows split over a column-parallel group."""
+    if tp.parallel_mode != "column" or tp.size == 1:
+        return parts
+    return [(prefix, tp.local_features(f"the rows of {prefix}weight" if prefix else
+                                       "out_features", rows)) for prefix, rows in parts]
+
+
 class Linear(TransformerEngineBaseModule):
-    """``y = x W^T + b``, in FP8 inside an enabled ``te.autocast``.
+    """``y = x W^T + b``, in FP8 inside an enabled ``te.autocast``. TE's signature.
 
     Parameters
     ----------
     in_features, out_features : int
-    bias : bool, default True
-    params_dtype : torch.dtype, optional
-        float32 or bfloat16; ``torch.get_default_dtype()`` when None.
-    device : torch.device, optional
-        CUDA if available, else CPU, when None.
-    return_bias : bool, default False
-        Return ``(x W^T, b)`` instead of adding the bias, so it can be fused later.
     sequence_parallel : bool, default False
         With ``parallel_mode``: activations outside the layer pair are split along
         dim 0 (column all-gathers its input, row reduce-scatters its output).
+    fuse_wgrad_accumulation : bool, default False
+        Add the weight gradient into ``weight.main_grad`` in float32 instead of
+        ``weight.grad`` (NOTE [Fused wgrad accumulation] in main_grad.py).
     tp_group : torch.distributed.ProcessGroup, optional
         The tensor-parallel group; its size is the TP size.
     tp_size : int, default 1
         The TP size when the group is formed later: call
         ``set_tensor_parallel_group(group)`` before the first forward.
+    get_rng_state_tracker : callable, optional
+        Returns a `CudaRNGStatesTracker`; the weights are initialized under its
+        ``fork(rng_tracker_name)`` (``fork()`` when the name is None).
+    rng_tracker_name : str, optional
+    init_method : callable, optional
+        ``init_method(weight)``; normal(0, 0.023) when None. Biases start at 0.
+    bias : bool, default True
+    return_bias : bool, default False
+        Return ``(x W^T, b)`` instead of adding the bias, so it can be fused later.
+    params_dtype : torch.dtype, optional
+        float32, bfloat16 or float16; ``torch.get_default_dtype()`` when None.
     parallel_mode : None | "column" | "row", default None
-        "column": ``weight`` and ``bias`` hold ``out_features / tp`` rows and the
-        output is this rank's slice of the features (not gathered). "row": ``weight``
-        holds ``in_features / tp`` columns, the input is this rank's slice of the
-        features, the output is summed over the group and the full bias added after.
-        None: no communication. See NOTE [Tensor-parallel layouts] in
-        ``tensor_parallel.py``; in FP8 the autocast's ``amax_reduction_group`` must
-        span the TP group.
+        "column": the weight and bias hold ``out_features / tp`` rows and the output
+        is this rank's slice of the features (not gathered). "row": the weight holds
+        ``in_features / tp`` columns, the input is this rank's slice of the
+        features, the output is summed over the group and the full bias added
+        after. See NOTE [Tensor-parallel layouts] in ``tensor_parallel.py``; in FP8
+        the autocast's ``amax_reduction_group`` must span the TP group.
+    parameters_split : tuple of str or dict of str -> int, optional
+        Expose the weight (and bias) as several parameters split along dim 0, named
+        ``<name>_weight`` / ``<name>_bias`` (all weights registered before all
+        biases, as TE does); the forward uses their concatenation.
+    device : torch.device, optional
+        CUDA if available, else CPU, when None. ``"meta"`` defers initialization to
+        ``reset_parameters()`` (NOTE [Parameter initialization] in params.py).
+    name : str, optional
+        TE's module name (for messages).
+    ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
+    delay_wgrad_compute, symmetric_ar_type, save_original_input
+        Not implemented: anything but the default raises ``NotImplementedError``.
+        ``ub_name`` is accepted (it only names a Userbuffers buffer).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: Optional[torch.dtype] = None, device=None,
-                 return_bias: bool = False, *, sequence_parallel: bool = False,
-                 tp_group=None, tp_size: int = 1, parallel_mode: Optional[str] = None):
-        super().__init__(num_gemms=1)
+    def __init__(self, in_features: int, out_features: int, sequence_parallel: bool = False,
+                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
+                 get_rng_state_tracker: Optional[Callable] = None,
+                 rng_tracker_name: Optional[str] = None, init_method: Optional[Callable] = None,
+                 bias: bool = True, return_bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
+                 parameters_split=None, device=None, ub_overlap_ag: bool = False,
+                 ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
+                 ub_name: Optional[str] = None, delay_wgrad_compute: bool = False,
+                 symmetric_ar_type: Optional[str] = None, save_original_input: bool = False,
+                 name: Optional[str] = None):
+        super().__init__(num_gemms=1, name=name)
         api = "te.Linear"
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"te.Linear: {name} must be a positive int, got {v!r}")
+        reject_unsupported(api, ub_overlap_ag=(ub_overlap_ag, False),
+                        ub_overlap_rs=(ub_overlap_rs, False),
+                        ub_overlap_rs_dgrad=(ub_overlap_rs_dgrad, False),
+                        ub_bulk_dgrad=(ub_bulk_dgrad, False), ub_bulk_wgrad=(ub_bulk_wgrad, False),
+                        delay_wgrad_compute=(delay_wgrad_compute, False),
+                        symmetric_ar_type=(symmetric_ar_type, None),
+                        save_original_input=(save_original_input, False))
+        self.in_features = check_positive_int(api, "in_features", in_features)
+        self.out_features = check_positive_int(api, "out_features", out_features)
+        self.use_bias = check_bool(api, "bias", bias)
+        self.return_bias = check_bool(api, "return_bias", return_bias)
+        self.fuse_wgrad_accumulation = check_bool(api, "fuse_wgrad_accumulation",
+                                                  fuse_wgrad_accumulation)
+        check_init_args(api, init_method, get_rng_state_tracker, rng_tracker_name)
         dtype = check_params_dtype(api, params_dtype)
         device = default_device(device)
         self.tp = TensorParallelConfig(api, parallel_mode, tp_group, tp_size, sequence_parallel)
-        self.in_features, self.out_features = in_features, out_features
-        local_in, local_out = in_features, out_features
-        if parallel_mode == "column":
-            local_out = self.tp.local_features("out_features", out_features)
-        elif parallel_mode == "row":
-            local_in = self.tp.local_features("in_features", in_features)
-        self.use_bias, self.return_bias = bias, return_bias
-        self.weight = torch.nn.Parameter(torch.empty(local_out, local_in, dtype=dtype,
-                                                     device=device))
-        init_weight_(self.weight)
-        if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
-        else:
-            self.register_parameter("bias", None)
-        self.tp.mark_params(self.weight, self.bias)
+        parts = split_parameters(api, parameters_split, out_features)
+        if parameters_split is not None and self.fuse_wgrad_accumulation:
+            raise NotImplementedError(f"{api}: fuse_wgrad_accumulation=True with parameters_split "
+                                      "is not implemented (one weight.main_grad per module); "
+                                      "use one weight")
+        local_in = (self.tp.local_features("in_features", in_features)
+                    if parallel_mode == "row" else in_features)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        self.ub_name, self.symmetric_ar_type = ub_name, symmetric_ar_type
+        weight_init = ParamInit(init_method or normal_init, get_rng_state_tracker, rng_tracker_name)
+        self.weight_names, self.bias_names = register_linear_params(
+            self, local_parts(self.tp, parts), local_in, self.use_bias, dtype, device, weight_init)
+        for w, b in zip(self.weight_names, self.bias_names):
+            self.tp.mark_params(getattr(self, w), getattr(self, b))
+        self._sync_tp_attributes()
+        self.reset_parameters(defer_init=device.type == "meta")
 
-    # TE's attribute names for the TP settings.
-    parallel_mode = property(lambda self: self.tp.parallel_mode)
-    sequence_parallel = property(lambda self: self.tp.sequence_parallel)
-    tp_group = property(lambda self: self.tp.tp_group)
-    tp_size = property(lambda self: self.tp.tp_size)
+    def _sync_tp_attributes(self) -> None:
+        """TE's attribute names for the TP settings (plain attributes: Megatron's
+        subclasses assign some of them themselves)."""
+        self.parallel_mode, self.sequence_parallel = self.tp.parallel_mode, self.tp.sequence_parallel
+        self.tp_group, self.tp_size = self.tp.tp_group, self.tp.tp_size
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """Attach the tensor-parallel group (for a module built with ``tp_size``)."""
         self.tp.set_group(tp_group)
+        self._sync_tp_attributes()
 
-    def forward(self, inp: torch.Tensor):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: bool = False, fp8_grad: bool = False):
+        """``inp W^T + b``; ``is_first_microbatch`` as in TE (accepted, not used yet:
+        see `ForwardPlan`). ``fp8_output`` / ``fp8_grad`` (FP8 tensors out of the
+        module) are not implemented."""
+        api = "te.Linear"
+        reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
+                           fp8_grad=(fp8_grad, False))
         if not torch.is_tensor(inp):
-            raise TypeError(f"te.Linear: input must be a tensor, got {type(inp).__name__}")
-        with self.prepare_forward(inp) as plan:
+            raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
+        with self.prepare_forward(inp, is_first_microbatch) as plan:
+            weight = joined_parameter(self, self.weight_names)
+            bias = joined_parameter(self, self.bias_names)
             inp = self.tp.column_input(inp)
             row = self.tp.parallel_mode == "row"
-            fused_bias = None if (self.return_bias or row) else self.bias
-            out = fp8_linear("te.Linear", inp, self.weight, fused_bias, plan, self.fp8_meta)
+            fused_bias = None if (self.return_bias or row) else bias
+            out = fp8_linear(api, inp, weight, fused_bias, plan, self.fp8_meta,
+                             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
             out = self.tp.row_output(out)
         if self.return_bias:
-            return out, self.bias
-        if row and self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+            return out, bias
+        if row and bias is not None:
+            out = out + bias.to(out.dtype)
         return out
 
     def extra_repr(self) -> str:
         return ", ".join((f"in_features={self.in_features}", f"out_features={self.out_features}",
                           f"bias={self.use_bias}") + self.tp.describe())
-
