@@ -21,6 +21,10 @@ TESTS=(
     tests/pytorch/test_graph.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
+    tests/pytorch/test_module_api.py
+    tests/pytorch/test_rotary.py
+    tests/pytorch/test_attention_masks.py
+    tests/pytorch/test_layer_variants.py
     tests/pytorch/test_triton_kernels.py
     tests/pytorch/test_train_gpt.py
     tests/pytorch/test_package_identity.py

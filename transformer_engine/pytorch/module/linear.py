@@ -240,8 +240,9 @@ class Linear(TransformerEngineBaseModule):
                         ub_overlap_rs_dgrad=(ub_overlap_rs_dgrad, False),
                         ub_bulk_dgrad=(ub_bulk_dgrad, False), ub_bulk_wgrad=(ub_bulk_wgrad, False),
                         delay_wgrad_compute=(delay_wgrad_compute, False),
-                        symmetric_ar_type=(symmetric_ar_type, None),
-                        save_original_input=(save_original_input, False))
+                        symmetric_ar_type=(symmetric_ar_type, None))
+        # an attribute, as in TE: Megatron-LM sets it after construction
+        self.save_original_input = check_bool(api, "save_original_input", save_original_input)
         self.in_features = check_positive_int(api, "in_features", in_features)
         self.out_features = check_positive_int(api, "out_features", out_features)
         self.use_bias = check_bool(api, "bias", bias)
@@ -287,7 +288,8 @@ class Linear(TransformerEngineBaseModule):
         module) are not implemented."""
         api = "te.Linear"
         reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
-                           fp8_grad=(fp8_grad, False))
+                           fp8_grad=(fp8_grad, False),
+                           save_original_input=(self.save_original_input, False))
         if not torch.is_tensor(inp):
             raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
         with self.prepare_forward(inp, is_first_microbatch) as plan:
