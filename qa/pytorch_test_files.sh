@@ -22,6 +22,7 @@ TESTS=(
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_module_api.py
+    tests/pytorch/test_module_params.py
     tests/pytorch/test_rotary.py
     tests/pytorch/test_attention_masks.py
     tests/pytorch/test_layer_variants.py
@@ -32,5 +33,6 @@ TESTS=(
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py
+    tests/pytorch/distributed/test_tensor_parallel_layer.py
     tests/pytorch/distributed/test_distributed_checkpoint.py
 )
