@@ -22,15 +22,9 @@ from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_m
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
 
-__all__ = ["Linear", "fp8_linear", "init_weight_", "check_init_args", "local_parts"]
+__all__ = ["Linear", "fp8_linear", "check_init_args", "local_parts"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def init_weight_(weight: torch.Tensor) -> None:
-    """TE's default weight init: normal with std 0.023."""
-    with torch.no_grad():
-        normal_init(weight)
 
 
 def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
