@@ -24,7 +24,7 @@ class _Tracked:
 
     def __init__(self, monkeypatch):
         self.refs = []
-        real = quantize._cast_transpose
+        real = quantize.cast_transpose_unchecked
 
         def cast_transpose(*args, **kwargs):
             out = real(*args, **kwargs)
@@ -33,7 +33,7 @@ class _Tracked:
                 if transposed is not None:
                     self.refs.append(weakref.ref(transposed.data))
             return out
-        monkeypatch.setattr(quantize, "_cast_transpose", cast_transpose)
+        monkeypatch.setattr(quantize, "cast_transpose_unchecked", cast_transpose)
 
     def track(self, tensor):
         self.refs.append(weakref.ref(tensor))

@@ -208,8 +208,9 @@ def test_needs_an_initialized_group():
                       distribute_saved_activations=True)
 
 
-def test_needs_reentrant():
+def test_non_reentrant_ignores_distribution_with_a_warning():
     layer = te.Linear(16, 16, device="cpu")
-    with pytest.raises(ValueError, match="distribute_saved_activations=True needs use_reentrant=True"):
+    with pytest.warns(UserWarning, match="distribute_saved_activations=True is ignored with "
+                                         "use_reentrant=False"):
         te.checkpoint(layer, torch.randn(16, 16, requires_grad=True), use_reentrant=False,
-                      distribute_saved_activations=True)
+                      distribute_saved_activations=True).sum().backward()
