@@ -95,3 +95,66 @@ def test_distribute_saved_activations_with_non_reentrant_warns_and_is_ignored():
         y = te.checkpoint(layer, x, use_reentrant=False, distribute_saved_activations=True)
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(16, 32) @ layer.weight.detach())
+
+
+class ClientCheckpoint(torch.autograd.Function):
+    """A client's own checkpoint (as Megatron Core's CheckpointFunction does): phase 1
+    under no_grad inside activation_recompute_forward(True, False), the recompute
+    inside activation_recompute_forward(True, True) with the call's FP8 autocast."""
+
+    @staticmethod
+    def forward(ctx, run, recipe, *args):
+        ctx.run, ctx.recipe = run, recipe
+        with torch.no_grad(), te.distributed.activation_recompute_forward(True, False):
+            out = run(*args)
+        ctx.save_for_backward(*args)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad(), te.distributed.activation_recompute_forward(True, True), \
+                te.fp8_autocast(fp8_recipe=ctx.recipe):
+            out = ctx.run(*inputs)
+        torch.autograd.backward(out, grad)
+        return (None, None, *(t.grad for t in inputs))
+
+
+def test_activation_recompute_forward_for_a_client_checkpoint():
+    """Two layers checkpointed by a client's own Function in one FP8 autocast: the
+    recompute swaps in each first forward's scales (they moved in between), and the
+    run matches the same run without checkpointing bit for bit."""
+    from transformer_engine.common.recipe import DelayedScaling
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        a, b = te.Linear(32, 32, device="cpu"), te.Linear(32, 32, device="cpu")
+        opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.5)
+        record = []
+        for step in range(3):
+            x = (torch.randn(16, 32) * 4.0 ** step).requires_grad_()
+            with te.fp8_autocast(fp8_recipe=recipe):
+                h = ClientCheckpoint.apply(a, recipe, x) if checkpointed else a(x)
+                y = ClientCheckpoint.apply(b, recipe, torch.relu(h)) if checkpointed \
+                    else b(torch.relu(h))
+            loss = y.pow(2).mean()
+            loss.backward()
+            record.append((loss.detach(), x.grad.clone(), a.weight.grad.clone(),
+                           b.weight.grad.clone(), a.fp8_meta["scaling_fwd"].scale.clone(),
+                           b.fp8_meta["scaling_bwd"].scale.clone()))
+            opt.step()
+            opt.zero_grad()
+        return record
+
+    ref, got = run(False), run(True)
+    for step, (r, g) in enumerate(zip(ref, got)):
+        assert all(torch.equal(u, v) for u, v in zip(r, g)), f"step {step}"
+    assert not torch.equal(ref[0][4], ref[1][4])          # the scales moved between steps
+    assert te.distributed.recompute_stash_count() == 0
+
+
+def test_recompute_phase_without_a_first_forward_is_refused():
+    with pytest.raises(RecomputeStateError, match="no first forward to pair with"):
+        with te.distributed.activation_recompute_forward(True, True):
+            raise AssertionError("must not be reached")

@@ -11,14 +11,17 @@ method, a closure, a module whose TE modules are not registered submodules.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from . import recompute
 from .checkpoint_modes import non_reentrant_checkpoint, reentrant_checkpoint
 from .fp8 import FP8GlobalStateManager
+from .recompute import RecomputeFrame, RecomputeStateError
 from .rng import CudaRNGStatesTracker
 from .tensor_parallel import (gather_split_1d_tensor, get_distributed_rank,
                               get_distributed_world_size, set_tensor_model_parallel_attributes,
@@ -26,6 +29,7 @@ from .tensor_parallel import (gather_split_1d_tensor, get_distributed_rank,
 
 __all__ = [
     "checkpoint", "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase",
+    "activation_recompute_forward",
     "CudaRNGStatesTracker", "recompute_stash_count",
     "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
     "get_distributed_world_size", "get_distributed_rank", "set_tensor_model_parallel_attributes",
@@ -49,6 +53,51 @@ def recompute_stash_count() -> int:
     """Tensors held by live recompute stashes, across all checkpoint calls (for tests
     and leak checks; call ``gc.collect()`` first to drop unreachable graphs)."""
     return recompute.stash_tensor_count()
+
+
+_LEGACY_FRAMES: List[RecomputeFrame] = []       # phase-1 frames awaiting their recompute
+_LEGACY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def activation_recompute_forward(activation_recompute: bool = False,
+                                 recompute_phase: bool = False):
+    """TE's context for checkpoint implementations of its clients (Megatron Core's
+    ``CheckpointWithoutOutput``): around their first forward
+    (``activation_recompute=True, recompute_phase=False``) FP8 modules stash their
+    forward state; around the recompute (``recompute_phase=True``) they swap it in.
+
+    The stash travels in a `RecomputeFrame` that the two calls pair in reverse order
+    (last first forward, first recompute), process-wide, as the backward of a plain
+    training step runs; ``te.checkpoint`` pairs each recompute with its own first
+    forward whatever the order, and is the one to use for new code. A recompute with
+    no first forward left to pair raises `RecomputeStateError`.
+    """
+    if not activation_recompute:
+        yield
+        return
+    if not recompute_phase:
+        frame = RecomputeFrame()
+        # The client runs this forward under no_grad to keep nothing; it is a training
+        # forward all the same (amaxes recorded, as without recompute).
+        with recompute.enter(frame, recomputing=False, training_under_no_grad=True):
+            yield
+        with _LEGACY_LOCK:
+            _LEGACY_FRAMES.append(frame)
+        return
+    with _LEGACY_LOCK:
+        frame = _LEGACY_FRAMES.pop() if _LEGACY_FRAMES else None
+    if frame is None:
+        raise RecomputeStateError("activation_recompute_forward: a recompute phase with no "
+                                  "first forward to pair with (each recompute_phase=True "
+                                  "context needs an earlier recompute_phase=False one)")
+    frame.start_recompute()
+    with recompute.enter(frame, recomputing=True, training_under_no_grad=False):
+        frame.replay_modes()
+        try:
+            yield
+        finally:
+            frame.end_recompute()
 
 
 def _check_checkpoint_args(function, use_reentrant, distribute_saved_activations,
