@@ -127,16 +127,25 @@ def test_activation_recompute_forward_for_a_client_checkpoint():
     from transformer_engine.common.recipe import DelayedScaling
     recipe = DelayedScaling(amax_history_len=4)
 
+    seen = []
+
     def run(checkpointed):
         torch.manual_seed(0)
         a, b = te.Linear(32, 32, device="cpu"), te.Linear(32, 32, device="cpu")
         opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.5)
+
+        def layer(m):
+            def fn(h):      # what the recompute machinery says, and the scale in force
+                seen.append((te.distributed.is_fp8_activation_recompute_enabled(),
+                             te.distributed.in_fp8_activation_recompute_phase()))
+                return m(h)
+            return fn
         record = []
         for step in range(3):
             x = (torch.randn(16, 32) * 4.0 ** step).requires_grad_()
             with te.fp8_autocast(fp8_recipe=recipe):
-                h = ClientCheckpoint.apply(a, recipe, x) if checkpointed else a(x)
-                y = ClientCheckpoint.apply(b, recipe, torch.relu(h)) if checkpointed \
+                h = ClientCheckpoint.apply(layer(a), recipe, x) if checkpointed else a(x)
+                y = ClientCheckpoint.apply(layer(b), recipe, torch.relu(h)) if checkpointed \
                     else b(torch.relu(h))
             loss = y.pow(2).mean()
             loss.backward()
@@ -148,6 +157,8 @@ def test_activation_recompute_forward_for_a_client_checkpoint():
         return record
 
     ref, got = run(False), run(True)
+    # per step: two first forwards in a region, then two recomputes in the phase
+    assert seen == [(True, False), (True, False), (True, True), (True, True)] * 3
     for step, (r, g) in enumerate(zip(ref, got)):
         assert all(torch.equal(u, v) for u, v in zip(r, g)), f"step {step}"
     assert not torch.equal(ref[0][4], ref[1][4])          # the scales moved between steps
