@@ -13,6 +13,7 @@ TESTS=(
     tests/pytorch/test_checkpoint_replay.py
     tests/pytorch/test_checkpoint_saved_tensors.py
     tests/pytorch/test_checkpoint_callables.py
+    tests/pytorch/test_checkpoint_api.py
     tests/pytorch/test_threads.py
     tests/pytorch/test_backward_update.py
     tests/pytorch/test_non_finite_amax.py

@@ -5,15 +5,16 @@ import torch
 
 from transformer_engine.pytorch import global_state, recompute
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+import helpers
 
 
 @pytest.fixture(autouse=True)
 def global_state_is_clean():
     """Fail (not hide) a leak of FP8 autocast or recompute state out of a test."""
-    assert global_state.snapshot() == global_state.clean(), "global state was dirty before the test"
+    assert helpers.global_state_is_clean(), "global state was dirty before the test"
     yield
-    found = global_state.snapshot()
-    if found != global_state.clean():
+    if not helpers.global_state_is_clean():
+        found = global_state.snapshot()
         FP8GlobalStateManager.reset()
         recompute.reset_position()
         pytest.fail(f"the test leaked global FP8/recompute state: {found}")

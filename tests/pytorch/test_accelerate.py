@@ -5,11 +5,13 @@ by its distribution metadata; ``prepare(model, optimizer)`` swaps ``nn.Linear`` 
 ``nn.LayerNorm`` for ``te.Linear`` / ``te.LayerNorm`` (``convert_model``), wraps the
 forward in ``torch.autocast(bfloat16)`` and, around that, in ``te.fp8_autocast`` with a
 ``DelayedScaling`` built from the kwargs (``apply_fp8_autowrap``). Each test compares
-against the same training written by hand with ``te.fp8_autocast``, bit for bit.
+against the same training written by hand with ``te.fp8_autocast``, bit for bit:
+losses, gradients, FP8 states and the weights after each optimizer step.
 """
 
 import copy
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -17,8 +19,8 @@ from torch import nn
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
-
-from utils import DEVICES, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+from helpers import (DEVICES, assert_runs_equal, assert_states_equal, assert_tensors_equal, capture,
+                     fp8_state_snapshot, te_modules)
 
 accelerate = pytest.importorskip("accelerate", reason="HF Accelerate is a test dependency "
                                  "of the CPU job (setup.py extra 'test')")
@@ -94,13 +96,24 @@ def convert_by_hand(model: nn.Module) -> nn.Module:
     return model
 
 
-def te_modules(model):
-    return [m for m in model.modules() if isinstance(m, te.Linear)]
+class History(NamedTuple):
+    """A training run: its steps, and the weights after each optimizer step."""
+
+    steps: list
+    weights: list
 
 
-def record(model, loss):
-    return (loss.detach().clone(), [p.detach().clone() for p in model.parameters()],
-            fp8_state_snapshot(te_modules(model)))
+def train_steps(model, optimizer, step_loss, backward):
+    """STEPS steps of ``step_loss()``, recorded after each backward and optimizer step."""
+    history = History([], [])
+    for _ in range(STEPS):
+        loss = step_loss()
+        backward(loss)
+        history.steps.append(capture(loss, [], model.parameters(), te_modules(model)))
+        optimizer.step()
+        optimizer.zero_grad()
+        history.weights.append([p.detach().clone() for p in model.parameters()])
+    return history
 
 
 def prepare_with_accelerate(device, **recipe_kwargs):
@@ -117,13 +130,8 @@ def prepare_with_accelerate(device, **recipe_kwargs):
 def train_with_accelerate(device, **recipe_kwargs):
     accelerator, original, model, optimizer, (x, y) = prepare_with_accelerate(device,
                                                                               **recipe_kwargs)
-    history = []
-    for _ in range(STEPS):
-        loss = nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append(record(model, loss))
+    history = train_steps(model, optimizer, lambda: nn.functional.mse_loss(model(x), y),
+                          accelerator.backward)
     return original, model, history, (x, y)
 
 
@@ -132,25 +140,21 @@ def train_by_hand(original, x, y, fp8_enabled):
     torch.autocast, outputs back to float32."""
     model = convert_by_hand(copy.deepcopy(original))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    history = []
-    for _ in range(STEPS):
+
+    def step_loss():
         with te.fp8_autocast(enabled=fp8_enabled, fp8_recipe=RECIPE):
             with torch.autocast(x.device.type, dtype=torch.bfloat16):
                 out = model(x)
-        loss = nn.functional.mse_loss(out.float(), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        history.append(record(model, loss))
-    return model, history
+        return nn.functional.mse_loss(out.float(), y)
+
+    return model, train_steps(model, optimizer, step_loss, lambda loss: loss.backward())
 
 
 def assert_histories_equal(a, b):
-    assert len(a) == len(b) == STEPS
-    for step, ((loss_a, params_a, states_a), (loss_b, params_b, states_b)) in enumerate(zip(a, b)):
-        assert torch.equal(loss_a, loss_b), f"step {step}: loss {loss_a} vs {loss_b}"
-        assert_tensors_equal(params_a, params_b, f"step {step} parameters")
-        assert_states_equal(states_a, states_b, f"step {step} FP8 state")
+    assert len(a.steps) == len(b.steps) == STEPS
+    assert_runs_equal(a.steps, b.steps)
+    for step, (weights_a, weights_b) in enumerate(zip(a.weights, b.weights)):
+        assert_tensors_equal(weights_a, weights_b, f"step {step}: weights after the step")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,18 +178,18 @@ def test_training_matches_hand_written_fp8_autocast_bit_for_bit(device):
     # accelerate built the DelayedScaling recipe from the kwargs, and each module used it
     assert all(m.fp8_meta["recipe"] == RECIPE for m in te_modules(model))
 
-    losses = [h[0].item() for h in history]
+    losses = [s.loss.item() for s in history.steps]
     assert losses[-1] < 0.3 * losses[0], losses
 
     # The forward ran in FP8: scales moved from 1 and the amax histories filled up ...
     for m in te_modules(model):
         fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
         assert (fwd.scale != 1).all() and (bwd.scale != 1).all()
-        for history in (fwd.amax_history, bwd.amax_history):   # one row recorded per step
-            assert int((history > 0).all(dim=1).sum()) == STEPS, history
+        for amaxes in (fwd.amax_history, bwd.amax_history):   # one row recorded per step
+            assert int((amaxes > 0).all(dim=1).sum()) == STEPS, amaxes
     # ... and the same training without FP8 gives other numbers.
     _, high_precision = train_by_hand(original, x, y, fp8_enabled=False)
-    assert not torch.equal(history[0][0], high_precision[0][0])
+    assert not torch.equal(history.steps[0].loss, high_precision.steps[0].loss)
 
 
 @pytest.mark.parametrize("use_during_eval", [False, True], ids=["fp8_off_in_eval", "fp8_in_eval"])

@@ -1,6 +1,6 @@
 """te.DotProductAttention's masks, windows, biases and packed (thd) sequences against a
 float64 reference that builds each mask from TE's definitions by explicit loops over
-(query, key) and attends one sequence at a time (float64_refs.py).
+(query, key) and attends one sequence at a time (references.py).
 
 Bounds: 1e-5 (forward) and 1e-4 (gradients) relative to max |reference|: float32
 rounding of the softmax and two GEMMs.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from float64_refs import allowed_ref, assert_close, attend_ref, leaf64
+from references import allowed_ref, assert_close, attend_ref, leaf64
 
 B, H, G, D = 2, 4, 2, 8
 SCALE = D ** -0.5

@@ -7,11 +7,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling
-from checkpoint_utils import REENTRANT, linears, maybe_checkpoint, params
-
-RECIPE = DelayedScaling(amax_history_len=4)
-E5M2_MAX = 57344.0
+from helpers import RECIPE, REENTRANT, linears, maybe_checkpoint, params
 
 
 def _bwd(m):

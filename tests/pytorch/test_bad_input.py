@@ -15,7 +15,8 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-from utils import assert_states_equal, fp8_state_snapshot
+from helpers import assert_states_equal, fp8_state_snapshot, fp8_training_steps
+from references import padding_mask
 
 CPU = "cpu"
 
@@ -52,10 +53,6 @@ def _fp8(fn, recipe=None):
 
 def _qkv(dtype=torch.float32, heads=4):
     return torch.randn(16, 2, heads, 16, dtype=dtype)
-
-
-def _padding(b, s, lengths):
-    return torch.stack([torch.arange(s) >= n for n in lengths]).reshape(b, 1, 1, s)
 
 
 # ---- recipes ------------------------------------------------------------------------------
@@ -176,11 +173,12 @@ def test_recipe_callable_result_refused_at_update(recipe, exc, match):
         with te.autocast(recipe=recipe):
             m(torch.randn(16, 16))
     after = fp8_state_snapshot([m])
-    for key, b, a in zip(("scaling_fwd", "scaling_bwd"), before, after):
-        assert torch.equal(a.scale, b.scale) and torch.equal(a.scale_inv, b.scale_inv), key
-    assert torch.equal(after[1].amax_history, before[1].amax_history)
+    for direction in ("fwd", "bwd"):
+        b, a = getattr(before[0], direction), getattr(after[0], direction)
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.scale_inv, b.scale_inv), direction
+    assert torch.equal(after[0].bwd.amax_history, before[0].bwd.amax_history)
     # the forward state's history was not rolled: only its live row saw the refused step
-    assert torch.equal(after[0].amax_history[1:], before[0].amax_history[1:])
+    assert torch.equal(after[0].fwd.amax_history[1:], before[0].fwd.amax_history[1:])
 
 
 def test_non_finite_input_with_a_callable_amax_algo_keeps_the_scale():
@@ -475,7 +473,7 @@ CALL_CASES = [
           r"padding mask for the queries must be a bool tensor of shape \[batch, 1, 1, seq\] = "
           r"\[2, 1, 1, 16\].*got torch.int64", "dpa-padding-mask-int"),
     _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, _qkv, _qkv,
-                attention_mask=_padding(2, 16, [16, 16])), ValueError,
+                attention_mask=padding_mask(2, 16, [16, 16])), ValueError,
           "te.DotProductAttention: attn_mask_type='causal' takes no attention_mask",
           "dpa-causal-with-mask"),
     _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, lambda: _qkv(heads=2),
@@ -543,12 +541,7 @@ def test_mismatched_dtype_is_fine_under_torch_autocast_and_fp8():
 # ---- set_extra_state payloads (NOTE [FP8 extra state payload]) ------------------------------
 
 def _trained(module, steps=2):
-    recipe = DelayedScaling(amax_history_len=3)
-    for _ in range(steps):
-        x = torch.randn(16, 16, requires_grad=True)
-        with te.autocast(recipe=recipe):
-            out = module(x)
-        out.pow(2).mean().backward()
+    fp8_training_steps(module, DelayedScaling(amax_history_len=3), [1.0] * steps)
     return module
 
 

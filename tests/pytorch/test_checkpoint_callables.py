@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from checkpoint_utils import (CLEAN, RECIPE, REENTRANT, assert_runs_equal, capture, fwd_scale,
-                              global_state, linears, maybe_checkpoint, params, stash_count)
+from helpers import (CLEAN, RECIPE, REENTRANT, assert_runs_equal, capture, fwd_scale, global_state,
+                     linears, maybe_checkpoint, params, stash_count)
 
 
 def _inner_autocast(inside: bool):
@@ -68,7 +68,7 @@ def test_te_modules_outside_the_module_tree(use_reentrant, placement, kind):
             scales.append(fwd_scale(layers[0]))
             loss = y.pow(2).mean()
             loss.backward()
-            record.append(capture(loss, [x] + params(layers), layers))
+            record.append(capture(loss, [x], params(layers), layers))
             opt.step()
             opt.zero_grad()
         calls = fn.calls if kind == "unregistered-module" else fn.calls[0]
@@ -98,7 +98,7 @@ def test_plain_torch_module_takes_the_same_path(use_reentrant):
             x = torch.randn(16, 32, requires_grad=True)
             loss = maybe_checkpoint(checkpointed, use_reentrant, block, x).pow(2).mean()
             loss.backward()
-            record.append(capture(loss, [x] + list(block.parameters()), []))
+            record.append(capture(loss, [x], list(block.parameters()), []))
         return record, calls[0]
 
     ref, ref_calls = run(False)
@@ -138,13 +138,13 @@ def test_nested_outputs_keep_their_gradients(use_reentrant, structure):
                 u, v = out[0] + out[1][1]["w"], out[1][0]
             loss = u.pow(2).mean() + v.pow(3).mean()
             loss.backward()
-            record.append(capture(loss, [x] + params([a, b]), [a, b]))
+            record.append(capture(loss, [x], params([a, b]), [a, b]))
         return record
 
     ref = run(False)
     got = run(True)
     for r in got:
-        assert all(g is not None and g.abs().sum() > 0 for g in r["grads"])
+        assert all(g is not None and g.abs().sum() > 0 for g in r.input_grads + r.param_grads)
     assert_runs_equal(ref, got)
 
 

@@ -18,27 +18,11 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import distributed, recompute
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, RecomputeStateError
-from checkpoint_utils import (CLEAN, RECIPE, REENTRANT, STASH_KEY, assert_runs_equal, capture,
-                              fwd_scale, global_state, linears, maybe_checkpoint, params,
-                              stash_count)
-from utils import DEVICES
+from helpers import (CLEAN, DEVICES, RECIPE, REENTRANT, STASH_KEY, assert_runs_equal, capture,
+                     fwd_scale, global_state, linears, maybe_checkpoint, params,
+                     record_recompute_scales, stash_count, te_modules)
 
 TRACKER_STATE = "model-parallel-rng"
-
-
-def _record_recompute_scales(monkeypatch):
-    """Wrap the hook that swaps a stash in; returns the list of (fp8_meta id, scale used)."""
-    used = []
-    real = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute.__func__
-
-    def recording(cls, fp8_meta):
-        entry = real(cls, fp8_meta)
-        used.append((id(fp8_meta), tuple(entry.scaling_fwd.scale.tolist())))
-        return entry
-
-    monkeypatch.setattr(FP8GlobalStateManager, "get_old_fp8_meta_tensors_for_recompute",
-                        classmethod(recording))
-    return used
 
 
 # ---- randomness -------------------------------------------------------------------------
@@ -81,7 +65,7 @@ def test_dropout_masks_are_replayed(use_reentrant, rng, device):
             state_at_call.copy_(other_state)
             loss = y.float().pow(2).mean()
             loss.backward()
-            record.append(capture(loss, [x] + params([a, b]), [a, b]))
+            record.append(capture(loss, [x], params([a, b]), [a, b]))
             opt.step()
             opt.zero_grad()
         return record, masks
@@ -154,7 +138,7 @@ def test_torch_autocast_state_of_the_call_governs(use_reentrant, fp8, where):
             loss = y.float().pow(2).mean()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not at_call):
                 loss.backward()
-            record.append(capture(loss, [x, w] + params([a, b]), [a, b]))
+            record.append(capture(loss, [x, w], params([a, b]), [a, b]))
         return record, dtypes
 
     ref, ref_dtypes = run(False)
@@ -189,12 +173,12 @@ def test_retain_graph_second_backward_finds_its_own_stash(use_reentrant, monkeyp
                                .pow(2).mean(), x))
         for mb, retain in ((0, True), (1, False), (0, False)):
             losses[mb][0].backward(retain_graph=retain)
-            record.append(capture(losses[mb][0], [x for _, x in losses] + params([a, b]),
+            record.append(capture(losses[mb][0], [x for _, x in losses], params([a, b]),
                                   [a, b]))
         return record, calls[0], scales, (a, b)
 
     ref, ref_calls, _, _ = run(False)
-    used = _record_recompute_scales(monkeypatch)
+    used = record_recompute_scales(monkeypatch)
     got, calls, scales, (a, b) = run(True)
     assert ref_calls == 2 and calls == 5                         # A recomputed twice
     assert not torch.equal(scales[0][0], scales[1][0])
@@ -283,7 +267,7 @@ def test_two_producers_survive_reset_and_load_state_dict(use_reentrant, producer
         inner = producer()
         inner.checkpoint = checkpointed
         model = torch.nn.ModuleList([pre, inner])
-        te_modules = [m for m in model.modules() if isinstance(m, te.TransformerEngineBaseModule)]
+        modules = te_modules(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         record, step0 = [], None
 
@@ -301,7 +285,7 @@ def test_two_producers_survive_reset_and_load_state_dict(use_reentrant, producer
                 FP8GlobalStateManager.reset()
                 _load_fp8_state_only(model, step0)
             loss.backward()
-            record.append(capture(loss, [x] + list(model.parameters()), te_modules))
+            record.append(capture(loss, [x], model.parameters(), modules))
             opt.step()
             opt.zero_grad()
             if step == 0:
@@ -310,13 +294,13 @@ def test_two_producers_survive_reset_and_load_state_dict(use_reentrant, producer
                 FP8GlobalStateManager.reset()
                 model.load_state_dict(step0)
             loss = y = None
-        return record, inner.body_calls, te_modules
+        return record, inner.body_calls, modules
 
     ref, ref_calls, _ = run(False)
-    got, calls, te_modules = run(True)
+    got, calls, modules = run(True)
     assert ref_calls == 4
     assert calls == 3 * 4       # phase 1, the outer recompute, the inner recompute
-    assert all(STASH_KEY in m.fp8_meta for m in te_modules[1:])
+    assert all(STASH_KEY in m.fp8_meta for m in modules[1:])
     assert_runs_equal(ref, got)
     assert stash_count() == 0
 
@@ -414,8 +398,6 @@ def test_autograd_grad(use_reentrant):
 @pytest.mark.parametrize("use_reentrant, error, message", [
     pytest.param(True, RuntimeError, "needs an initialized torch.distributed process group",
                  id="reentrant"),
-    pytest.param(False, ValueError, "distribute_saved_activations=True needs use_reentrant=True",
-                 id="non-reentrant"),
 ])
 def test_distribute_saved_activations_without_process_group(use_reentrant, error, message):
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -512,7 +494,7 @@ def test_stash_is_copied_once_by_the_update_not_by_the_forward(use_reentrant, mo
         assert torch.equal(copy_.scale, scale)                       # the phase-1 scale
         assert not torch.equal(fwd_scale(layer), scale)              # the live one moved
     assert clones_in_phase1 == 0
-    used = _record_recompute_scales(monkeypatch)
+    used = record_recompute_scales(monkeypatch)
     y.sum().backward()
     assert [u[1] for u in used] == [tuple(s.tolist()) for s in before]
     del frames, entries, copies, y

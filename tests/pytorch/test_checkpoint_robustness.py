@@ -11,16 +11,16 @@ is in test_checkpoint_replay.py.
 import contextlib
 import gc
 import random
+from typing import NamedTuple
 
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import recompute
-from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-from checkpoint_utils import (CLEAN, RECIPE, REENTRANT, STASH_KEY, assert_runs_equal, capture,
-                              fwd_scale, global_state, linears, maybe_checkpoint, params,
-                              queries, stash_count)
+from helpers import (CLEAN, RECIPE, REENTRANT, STASH_KEY, assert_runs_equal, capture, fwd_scale,
+                     global_state, linears, maybe_checkpoint, params, queries,
+                     record_recompute_scales, stash_count)
 
 # ---- nesting ------------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ def _nested_run(depth, checkpointed, use_reentrant, steps=3):
         loss = _nested_forward(layers, x, depth, checkpointed, use_reentrant, log).pow(2).mean()
         loss.backward()
         assert global_state() == CLEAN
-        record.append(capture(loss, [x] + params(layers), layers))
+        record.append(capture(loss, [x], params(layers), layers))
         opt.step()
         opt.zero_grad()
     return record, log
@@ -152,7 +152,7 @@ def _exception_run(placement, checkpointed, use_reentrant, fail, steps=(0, 1, 2)
                              STASH_KEY in a.fp8_meta,
                              "updated_fp8_state_fwd" not in a.fp8_meta))
             continue
-        record.append(capture(loss, [x] + params(modules), modules))
+        record.append(capture(loss, [x], params(modules), modules))
         y = loss = None
         opt.step()
         opt.zero_grad()
@@ -209,7 +209,7 @@ def test_exception_inside_enclosing_region_restores_its_state(use_reentrant):
             y = maybe_checkpoint(checkpointed, use_reentrant, outer, x)
         loss = y.pow(2).mean()
         loss.backward()
-        return capture(loss, [x] + params([outer_layer]), [outer_layer]), seen
+        return capture(loss, [x], params([outer_layer]), [outer_layer]), seen
 
     ref, ref_seen = run(False)
     got, seen = run(True)
@@ -220,9 +220,21 @@ def test_exception_inside_enclosing_region_restores_its_state(use_reentrant):
 
 # ---- forwards without backward ------------------------------------------------------
 
-def _live_tensor_count():
+class Leftovers(NamedTuple):
+    stashes: int
+    frames: int
+    tensors: int
+    meta_keys: list
+
+
+def _leftovers(layer) -> Leftovers:
+    """What dropped forwards could leave behind: stashed tensors, live checkpoint frames,
+    live tensors of any kind, and keys in ``layer``'s fp8_meta."""
+    stashes = stash_count()
     gc.collect()
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    tensors = sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    return Leftovers(stashes=stashes, frames=len(recompute.live_frames()), tensors=tensors,
+                     meta_keys=sorted(layer.fp8_meta))
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "grad-dropped"])
@@ -243,29 +255,27 @@ def test_thousand_dropped_forwards_leave_nothing(use_reentrant, mode):
                 maybe_checkpoint(checkpointed, use_reentrant, fn, x.requires_grad_())
 
         probe(0)                                          # warm-up (lazy allocations)
-        baseline = (stash_count(), len(recompute.live_frames()), _live_tensor_count(),
-                    sorted(layer.fp8_meta))
+        baseline = _leftovers(layer)
         for i in range(1, probes):
             probe(i)
-        after = (stash_count(), len(recompute.live_frames()), _live_tensor_count(),
-                 sorted(layer.fp8_meta))
+        after = _leftovers(layer)
         x = torch.randn(16, 16, generator=torch.Generator().manual_seed(5)).requires_grad_()
         y = maybe_checkpoint(checkpointed, use_reentrant, fn, x)
         loss = y.pow(2).mean()
         loss.backward()
-        return baseline, after, calls[0], capture(loss, [x] + params([layer]), [layer])
+        return baseline, after, calls[0], capture(loss, [x], params([layer]), [layer])
 
     base, after, calls, got = run(True, 1000)
     assert calls == 1000 + 2                               # + the normal step's recompute
-    assert base[0] == 0 and base[1] == 0
-    assert after[:2] == base[:2], "stashes or frames outlived their dropped graphs"
-    assert after[2] <= base[2], f"live tensors grew from {base[2]} to {after[2]}"
-    assert after[3] == base[3]
+    assert base.stashes == 0 and base.frames == 0
+    assert (after.stashes, after.frames) == (0, 0), "stashes or frames outlived their dropped graphs"
+    assert after.tensors <= base.tensors, f"live tensors grew from {base.tensors} to {after.tensors}"
+    assert after.meta_keys == base.meta_keys
     if mode == "no_grad":
         ref = run(False, 0)[3]             # no_grad forwards change nothing: a clean run
     else:
         ref = run(False, 1000)[3]          # they update scales, exactly as un-checkpointed
-        assert not torch.equal(ref["states"][0].scale, torch.ones(2))
+        assert not torch.equal(ref.states[0].fwd.scale, torch.ones(2))
     assert_runs_equal([ref], [got])
     assert stash_count() == 0 and len(recompute.live_frames()) == 0
 
@@ -326,7 +336,7 @@ def test_mode_at_phase1_governs(use_reentrant, switch, nested, function):
             loss = y.pow(2).mean()
             loss.backward()
             assert all(m.training is (not first_mode) for m in block.modules())
-            record.append(capture(loss, [x] + params([block.a, block.b]), [block.a, block.b]))
+            record.append(capture(loss, [x], params([block.a, block.b]), [block.a, block.b]))
             block.zero_grad()
         return record, block
 
@@ -364,30 +374,21 @@ def _accumulate(order, checkpointed, use_reentrant):
     record, sequence = [], None
     if order == "sum":
         sum(losses).backward()
-        record.append(capture(None, inputs + params(modules), modules))
+        record.append(capture(None, inputs, params(modules), modules))
     else:
         sequence = [3, 2, 1, 0] if order == "reverse" else random.Random(7).sample(range(4), 4)
         assert order == "reverse" or sequence not in ([3, 2, 1, 0], [0, 1, 2, 3])
         for mb in sequence:
             losses[mb].backward()
-            record.append(capture(losses[mb], inputs + params(modules), modules))
+            record.append(capture(losses[mb], inputs, params(modules), modules))
     return record, calls[0], scales, sequence, (a, b)
 
 
 @pytest.mark.parametrize("order", ["reverse", "shuffled", "sum"])
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_out_of_order_accumulation(use_reentrant, order, monkeypatch):
-    used = []
-    real = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute.__func__
-
-    def recording(cls, fp8_meta):
-        entry = real(cls, fp8_meta)
-        used.append((id(fp8_meta), tuple(entry.scaling_fwd.scale.tolist())))
-        return entry
-
     ref, ref_calls, _, _, _ = _accumulate(order, False, use_reentrant)
-    monkeypatch.setattr(FP8GlobalStateManager, "get_old_fp8_meta_tensors_for_recompute",
-                        classmethod(recording))
+    used = record_recompute_scales(monkeypatch)
     got, calls, scales, sequence, (a, b) = _accumulate(order, True, use_reentrant)
     assert ref_calls == 4 and calls == 8
     for i in range(1, 4):
@@ -455,7 +456,7 @@ def test_shared_module(use_reentrant, sharing):
                     y = maybe_checkpoint(checkpointed, use_reentrant, once, other(h) * 8.0)
             loss = y.pow(2).mean()
             loss.backward()
-            record.append(capture(loss, [x] + params(modules), modules))
+            record.append(capture(loss, [x], params(modules), modules))
             opt.step()
             opt.zero_grad()
         return record, calls[0], probe

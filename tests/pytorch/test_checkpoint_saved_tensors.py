@@ -13,8 +13,8 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch import distributed, quantize
 from transformer_engine.pytorch.fp8 import RecomputeStateError
-from checkpoint_utils import (CLEAN, RECIPE, REENTRANT, assert_runs_equal, capture, global_state,
-                              linears, maybe_checkpoint, params, stash_count)
+from helpers import (CLEAN, RECIPE, REENTRANT, assert_runs_equal, capture, global_state, linears,
+                     maybe_checkpoint, params, stash_count)
 
 
 class _Tracked:
@@ -24,7 +24,7 @@ class _Tracked:
 
     def __init__(self, monkeypatch):
         self.refs = []
-        real = quantize._cast_transpose
+        real = quantize.cast_transpose_unchecked
 
         def cast_transpose(*args, **kwargs):
             out = real(*args, **kwargs)
@@ -33,7 +33,7 @@ class _Tracked:
                 if transposed is not None:
                     self.refs.append(weakref.ref(transposed.data))
             return out
-        monkeypatch.setattr(quantize, "_cast_transpose", cast_transpose)
+        monkeypatch.setattr(quantize, "cast_transpose_unchecked", cast_transpose)
 
     def track(self, tensor):
         self.refs.append(weakref.ref(tensor))
@@ -72,7 +72,7 @@ def test_phase1_keeps_no_activation(use_reentrant, fp8, nested, monkeypatch):
         alive, made = tracked.alive(), len(tracked.refs)
         loss = out.pow(2).mean()
         loss.backward()
-        return alive, made, capture(loss, [x] + params([a, b, c]), [a, b, c])
+        return alive, made, capture(loss, [x], params([a, b, c]), [a, b, c])
 
     ref_alive, ref_made, ref = run(False)
     alive, made, got = run(True)
@@ -141,7 +141,7 @@ def test_partial_autograd_grad_then_backward():
         loss = maybe_checkpoint(checkpointed, False, fn, x).pow(2).mean()
         dx, = torch.autograd.grad(loss, [x], retain_graph=True)
         loss.backward()
-        return calls[0], dx, capture(loss, [x] + params([a, b]), [a, b])
+        return calls[0], dx, capture(loss, [x], params([a, b]), [a, b])
 
     ref_calls, ref_dx, ref = run(False)
     calls, dx, got = run(True)

@@ -9,7 +9,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import quantize
-from utils import assert_states_equal, fp8_state_snapshot
+from helpers import assert_states_equal, fp8_state_snapshot, fp8_training_steps
 
 CPU = "cpu"
 MODULES = [
@@ -19,32 +19,20 @@ MODULES = [
 ]
 
 
-def _train(module, recipe, magnitudes):
-    """One FP8 training step per magnitude; returns the input amax of each step."""
-    amaxes = []
-    for mag in magnitudes:
-        x = torch.randn(16, 16) * mag
-        amaxes.append(x.abs().max().item())
-        with te.autocast(recipe=recipe):
-            y = module(x.requires_grad_())
-        y.pow(2).mean().backward()
-    return amaxes
-
-
 @pytest.mark.parametrize("build", MODULES)
 def test_state_dict_round_trip_is_bit_identical(build):
     recipe = DelayedScaling(amax_history_len=3)
     a = build()
-    _train(a, recipe, [1.0, 4.0])
+    fp8_training_steps(a, recipe, [1.0, 4.0])
     b = build()
     b.load_state_dict(a.state_dict())
     assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]), "after the load")
     assert b.fp8_meta["recipe"] == recipe
     # both continue identically (same parameters, same scales and histories)
     torch.manual_seed(7)
-    _train(a, recipe, [2.0])
+    fp8_training_steps(a, recipe, [2.0])
     torch.manual_seed(7)
-    _train(b, recipe, [2.0])
+    fp8_training_steps(b, recipe, [2.0])
     assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]), "one step later")
 
 
@@ -52,12 +40,12 @@ def test_current_scaling_and_callable_recipes_round_trip():
     """A recipe that is not saved as data (a callable algorithm) travels as None with
     its state; current scaling travels as itself."""
     a = te.Linear(16, 16, device=CPU)
-    _train(a, DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.amax(0)), [1.0])
+    fp8_training_steps(a, DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.amax(0)), [1.0])
     b = te.Linear(16, 16, device=CPU)
     b.load_state_dict(a.state_dict())
     assert b.fp8_meta["recipe"] is None
     assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]))
-    _train(a, Float8CurrentScaling(), [1.0])
+    fp8_training_steps(a, Float8CurrentScaling(), [1.0])
     b.load_state_dict(a.state_dict())
     assert b.fp8_meta["recipe"] == Float8CurrentScaling()
     assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]))
@@ -67,7 +55,7 @@ def test_current_scaling_and_callable_recipes_round_trip():
                          ids=["none", "empty"])
 def test_empty_payload_changes_nothing(payload):
     m = te.Linear(16, 16, device=CPU)
-    _train(m, DelayedScaling(amax_history_len=2), [1.0])
+    fp8_training_steps(m, DelayedScaling(amax_history_len=2), [1.0])
     before = fp8_state_snapshot([m])
     m.set_extra_state(payload)
     assert_states_equal(fp8_state_snapshot([m]), before)
@@ -101,7 +89,7 @@ def test_loaded_history_is_adapted_to_the_recipe_in_force(new_len):
     takes the max over the amaxes the new length keeps: the last ``new_len - 1`` saved
     steps and the new one."""
     saved = te.Linear(16, 16, device=CPU)
-    amaxes = _train(saved, DelayedScaling(amax_history_len=4), [1.0, 8.0, 2.0])
+    amaxes = fp8_training_steps(saved, DelayedScaling(amax_history_len=4), [1.0, 8.0, 2.0])
     loaded = te.Linear(16, 16, device=CPU)
     loaded.load_state_dict(saved.state_dict())
     recipe = DelayedScaling(amax_history_len=new_len)
@@ -112,7 +100,7 @@ def test_loaded_history_is_adapted_to_the_recipe_in_force(new_len):
     assert torch.equal(state.scale, saved.fp8_meta["scaling_fwd"].scale)
     assert torch.equal(state.scale_inv, saved.fp8_meta["scaling_fwd"].scale_inv)
     assert loaded.fp8_meta["scaling_bwd"].amax_history.shape == (new_len, 1)
-    amaxes += _train(loaded, recipe, [0.5])
+    amaxes += fp8_training_steps(loaded, recipe, [0.5])
     expect = 448.0 / max(amaxes[-new_len:])
     scale = loaded.fp8_meta["scaling_fwd"].scale
     torch.testing.assert_close(scale[0].double(), torch.tensor(expect, dtype=torch.float64),

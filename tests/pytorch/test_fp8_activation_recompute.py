@@ -15,15 +15,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import distributed, recompute
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, RecomputeStateError
-from utils import DEVICES, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
-
-REENTRANT = [pytest.param(True, id="reentrant"), pytest.param(False, id="non-reentrant")]
-STASH_KEY = "global_fp8_buffer_pos_fwd_recompute"
-
-
-def _queries():
-    return (distributed.is_fp8_activation_recompute_enabled(),
-            distributed.in_fp8_activation_recompute_phase())
+from helpers import DEVICES, REENTRANT, STASH_KEY, assert_runs_equal, capture, fwd_scale, queries
 
 
 # ---- the seed's three cases ------------------------------------------------------------
@@ -35,16 +27,16 @@ def test_inner_fp8_autocast(use_reentrant, device):
     seen = []
 
     def fn(x):
-        seen.append(("outside", _queries()))
+        seen.append(("outside", queries()))
         with te.autocast(recipe=DelayedScaling()):
-            seen.append(("inside", _queries()))
+            seen.append(("inside", queries()))
             y = layer(x)
-        seen.append(("outside", _queries()))
+        seen.append(("outside", queries()))
         return y
 
     x = torch.randn(16, 32, device=device, requires_grad=True)
     y = te.checkpoint(fn, x, use_reentrant=use_reentrant)
-    assert _queries() == (False, False)
+    assert queries() == (False, False)
     loss = y.float().pow(2).sum()
     loss.backward()
     assert torch.isfinite(loss)
@@ -52,7 +44,7 @@ def test_inner_fp8_autocast(use_reentrant, device):
     assert STASH_KEY in layer.fp8_meta
     assert seen == [("outside", (False, False)), ("inside", (True, False)), ("outside", (False, False)),
                     ("outside", (False, True)), ("inside", (True, True)), ("outside", (False, True))]
-    assert _queries() == (False, False)
+    assert queries() == (False, False)
 
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
@@ -61,7 +53,7 @@ def test_fully_non_fp8(use_reentrant):
     seen = []
 
     def fn(x):
-        seen.append(_queries())
+        seen.append(queries())
         return l2(torch.relu(l1(x)))
 
     x = torch.randn(16, 32, requires_grad=True)
@@ -86,9 +78,7 @@ def _two_layer_run(fn_of, checkpointed, use_reentrant, steps=2):
         y = te.checkpoint(fn, x, use_reentrant=use_reentrant) if checkpointed else fn(x)
         loss = y.pow(2).sum()
         loss.backward()
-        record.append({"loss": loss.detach().clone(), "x_grad": x.grad.clone(),
-                       "grads": [p.grad.clone() for p in (*plain.parameters(), *fp8.parameters())],
-                       "states": fp8_state_snapshot([plain, fp8])})
+        record.append(capture(loss, [x], [*plain.parameters(), *fp8.parameters()], [plain, fp8]))
         for p in (*plain.parameters(), *fp8.parameters()):
             p.grad = None
     return record, calls[0], (plain, fp8)
@@ -109,7 +99,7 @@ def test_mixed_fp8_and_non_fp8(use_reentrant):
     ref, ref_calls, _ = _two_layer_run(fn_of, False, use_reentrant)
     got, calls, (plain, fp8) = _two_layer_run(fn_of, True, use_reentrant)
     assert ref_calls == 2 and calls == 4                      # the recompute ran
-    _assert_runs_equal(ref, got)
+    assert_runs_equal(ref, got)
     assert STASH_KEY in fp8.fp8_meta and STASH_KEY not in plain.fp8_meta
     assert plain.fp8_meta["scaling_fwd"] is None
 
@@ -128,7 +118,7 @@ def test_current_scaling_stashes_nothing(use_reentrant):
     ref, ref_calls, _ = _two_layer_run(fn_of, False, use_reentrant)
     got, calls, (plain, fp8) = _two_layer_run(fn_of, True, use_reentrant)
     assert ref_calls == 2 and calls == 4
-    _assert_runs_equal(ref, got)
+    assert_runs_equal(ref, got)
     for m in (plain, fp8):
         assert STASH_KEY not in m.fp8_meta and m.fp8_meta["scaling_fwd"] is None
     assert distributed.recompute_stash_count() == 0
@@ -145,8 +135,7 @@ class Net(torch.nn.Module):
 
     def forward(self, x, recipe, placement, checkpoint, use_reentrant, probe):
         def region(h):
-            probe.append(self.a.fp8_meta["scaling_fwd"].scale.clone()
-                         if self.a.fp8_meta["scaling_fwd"] is not None else None)
+            probe.append(fwd_scale(self.a))
             if placement == "outer":
                 return self.b(torch.relu(self.a(h)))
             if placement == "inner":
@@ -173,20 +162,10 @@ def _train(device, recipe, placement, checkpoint, use_reentrant, steps=3):
         x = (torch.randn(16, 32, device=device) * (2.0 ** step)).requires_grad_()
         loss = net(x, recipe, placement, checkpoint, use_reentrant, probe).float().pow(2).mean()
         loss.backward()
-        record.append({"loss": loss.detach().clone(), "x_grad": x.grad.clone(),
-                       "grads": [p.grad.clone() for p in net.parameters()],
-                       "states": fp8_state_snapshot(modules)})
+        record.append(capture(loss, [x], net.parameters(), modules))
         opt.step()
         opt.zero_grad()
     return record, probe
-
-
-def _assert_runs_equal(ref, got):
-    for step, (a, b) in enumerate(zip(ref, got)):
-        assert torch.equal(a["loss"], b["loss"]), f"step {step}: loss {a['loss']} vs {b['loss']}"
-        assert torch.equal(a["x_grad"], b["x_grad"]), f"step {step}: input grad"
-        assert_tensors_equal(a["grads"], b["grads"], f"step {step}: parameter grads")
-        assert_states_equal(a["states"], b["states"], f"step {step}: FP8 state")
 
 
 RECIPES = [pytest.param(DelayedScaling(amax_history_len=3), id="delayed"),
@@ -203,7 +182,7 @@ def test_invariance(use_reentrant, placement, recipe, device):
     ref, ref_probe = _train(device, recipe, placement, False, use_reentrant)
     got, probe = _train(device, recipe, placement, True, use_reentrant)
     assert len(ref_probe) == 3 and len(probe) == 6      # the recompute ran once per step
-    _assert_runs_equal(ref, got)
+    assert_runs_equal(ref, got)
     if recipe.delayed() and placement != "mixed":
         # Between each first forward and its recompute the live forward scale moved, so
         # equality proves the recompute used the stashed scale.
@@ -244,7 +223,7 @@ def test_old_behaviour_fails_for_inner_autocast(use_reentrant, monkeypatch):
     with _region_sampled_at_entry(monkeypatch):
         ref, _ = _train("cpu", DelayedScaling(), "outer", False, use_reentrant, steps=2)
         got, _ = _train("cpu", DelayedScaling(), "outer", True, use_reentrant, steps=2)
-        _assert_runs_equal(ref, got)
+        assert_runs_equal(ref, got)
         with pytest.raises(RecomputeStateError, match="the first forward stashed no FP8 state"):
             _train("cpu", DelayedScaling(), "inner", True, use_reentrant, steps=1)
     # ... and with the seed's change the same inner case passes (test_invariance).

@@ -11,12 +11,9 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from utils import HAS_CUDA_FP8, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+from helpers import RECIPE, REENTRANT, assert_runs_equal, capture, cuda_fp8, te_modules
 
-cuda_graphs = pytest.mark.skipif(not HAS_CUDA_FP8, reason="CUDA graphs with FP8 need a CUDA "
-                                                          "GPU with FP8 (compute capability 8.9+)")
-RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
-           pytest.param(Float8CurrentScaling(), id="current")]
+RECIPES = [pytest.param(RECIPE, id="delayed"), pytest.param(Float8CurrentScaling(), id="current")]
 STEPS = 5
 
 
@@ -87,7 +84,6 @@ def _train(model, shape, run, steps=STEPS, accumulate=False):
     """``run(model, x)`` for each step, loss backward, optimizer step; per step: loss,
     input and parameter gradients, every TE module's FP8 state."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    te_modules = [m for m in model.modules() if hasattr(m, "fp8_meta")]
     record = []
     for step in range(steps):
         x = _inputs(shape, step).requires_grad_()
@@ -97,23 +93,13 @@ def _train(model, shape, run, steps=STEPS, accumulate=False):
         if accumulate:                      # a second micro-batch into the same .grad
             y2 = run(model, _inputs(shape, step + 50).requires_grad_())
             y2.float().pow(2).mean().backward()
-        record.append({"loss": loss.detach().clone(), "x_grad": x.grad.clone(),
-                       "grads": [p.grad.clone() for p in model.parameters()],
-                       "states": fp8_state_snapshot(te_modules)})
+        record.append(capture(loss, [x], model.parameters(), te_modules(model)))
         opt.step()
         opt.zero_grad()
     return record
 
 
-def _assert_same(ref, got):
-    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
-        assert torch.equal(a["loss"], b["loss"]), f"step {step}: loss {a['loss']} vs {b['loss']}"
-        assert torch.equal(a["x_grad"], b["x_grad"]), f"step {step}: input gradient"
-        assert_tensors_equal(a["grads"], b["grads"], f"step {step}: parameter gradients")
-        assert_states_equal(a["states"], b["states"], f"step {step}: FP8 state")
-
-
-@cuda_graphs
+@cuda_fp8
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "TransformerLayer"])
 def test_graphed_steps_equal_eager_steps(kind, recipe):
@@ -129,29 +115,28 @@ def test_graphed_steps_equal_eager_steps(kind, recipe):
                                         enabled=True, recipe=recipe)
     assert graphed is model
     got = _train(model, shape, lambda m, x: m(x))
-    _assert_same(ref, got)
+    assert_runs_equal(ref, got)
     if recipe.delayed():
-        first = [m for m in model.modules() if hasattr(m, "fp8_meta")][0]
+        first = te_modules(model)[0]
         assert first.fp8_meta["scaling_fwd"].amax_history.count_nonzero() > 0
 
 
-@cuda_graphs
+@cuda_fp8
 def test_gradient_accumulation_into_grad():
     """Two graphed backwards into the same .grad accumulate like eager ones (the graph's
     static gradient buffers are not aliased by .grad)."""
-    recipe = DelayedScaling(amax_history_len=4)
     model, shape = _build("Linear")
     eager_model = copy.deepcopy(model)
 
     def eager(m, x):
-        with te.autocast(recipe=recipe):
+        with te.autocast(recipe=RECIPE):
             return m(x)
 
     ref = _train(eager_model, shape, eager, steps=3, accumulate=True)
     te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
-                              recipe=recipe)
+                              recipe=RECIPE)
     got = _train(model, shape, lambda m, x: m(x), steps=3, accumulate=True)
-    _assert_same(ref, got)
+    assert_runs_equal(ref, got)
 
 
 class CheckpointedBlock(torch.nn.Module):
@@ -163,10 +148,9 @@ class CheckpointedBlock(torch.nn.Module):
         kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
         self.a, self.b = te.LayerNormMLP(64, 128, **kw), te.Linear(64, 64, **kw)
         self.use_reentrant = use_reentrant
-        self.recipe = DelayedScaling(amax_history_len=4)
 
     def _layer(self, layer, h):
-        with te.autocast(recipe=self.recipe):
+        with te.autocast(recipe=RECIPE):
             return layer(h)
 
     def forward(self, x):
@@ -174,8 +158,8 @@ class CheckpointedBlock(torch.nn.Module):
         return te.checkpoint(self._layer, self.b, torch.relu(h), use_reentrant=self.use_reentrant)
 
 
-@cuda_graphs
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@cuda_fp8
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_checkpoint_inside_a_graphed_callable(use_reentrant):
     torch.manual_seed(3)
     model = CheckpointedBlock(use_reentrant)
@@ -184,57 +168,55 @@ def test_checkpoint_inside_a_graphed_callable(use_reentrant):
     ref = _train(eager_model, shape, lambda m, x: m(x))
     te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),))
     got = _train(model, shape, lambda m, x: m(x))
-    _assert_same(ref, got)
+    assert_runs_equal(ref, got)
 
 
-@cuda_graphs
+@cuda_fp8
 def test_tuple_of_callables_shares_one_pool():
-    recipe = DelayedScaling(amax_history_len=4)
     torch.manual_seed(5)
     kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
     a, b = te.Linear(64, 64, **kw), te.Linear(64, 64, **kw)
     ea, eb = copy.deepcopy(a), copy.deepcopy(b)
     x0 = _inputs((32, 64), 0).requires_grad_()
     ga, gb = te.make_graphed_callables((a, b), ((x0,), (a(x0).detach().requires_grad_(),)),
-                                       enabled=True, recipe=recipe)
+                                       enabled=True, recipe=RECIPE)
 
     def run(pair, graphed):
         def step(_, x):
             if graphed:
                 return pair[1](pair[0](x))
-            with te.autocast(recipe=recipe):
+            with te.autocast(recipe=RECIPE):
                 return pair[1](pair[0](x))
         return step
     holder = torch.nn.ModuleList([ea, eb])
     ref = _train(holder, (32, 64), run((ea, eb), False))
     got = _train(torch.nn.ModuleList([ga, gb]), (32, 64), run((ga, gb), True))
-    _assert_same(ref, got)
+    assert_runs_equal(ref, got)
 
 
-@cuda_graphs
+@cuda_fp8
 def test_eval_and_no_grad_run_eagerly():
-    recipe = DelayedScaling(amax_history_len=4)
     model, shape = _build("Linear")
     te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
-                              recipe=recipe)
+                              recipe=RECIPE)
     x = _inputs(shape, 1)
     with torch.no_grad():
         y = model(x)
-        with te.autocast(recipe=recipe):
+        with te.autocast(recipe=RECIPE):
             ref = model.eager(x) if hasattr(model, "eager") else model.forward.eager(x)
     assert torch.equal(y, ref)
 
 
 # ---- what cannot be captured (GPU) ---------------------------------------------------------
 
-@cuda_graphs
+@cuda_fp8
 def test_cpu_sample_tensor_is_refused():
     model, _ = _build("Linear")
     with pytest.raises(RuntimeError, match=r"sample_args\[0\]\[0\] is on cpu"):
         te.make_graphed_callables(model, (torch.randn(32, 64),), enabled=True)
 
 
-@cuda_graphs
+@cuda_fp8
 def test_host_sync_in_the_callable_fails_at_capture():
     model, shape = _build("Linear")
 
@@ -248,7 +230,7 @@ def test_host_sync_in_the_callable_fails_at_capture():
         te.make_graphed_callables(syncing, (_inputs(shape, 0).requires_grad_(),), enabled=True)
 
 
-@cuda_graphs
+@cuda_fp8
 def test_gloo_amax_group_is_refused():
     dist = torch.distributed
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

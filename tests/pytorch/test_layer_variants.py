@@ -1,7 +1,7 @@
 """te.TransformerLayer's TE variants beyond the pre-norm encoder (test_transformer_layer.py):
 layer_type="decoder" (cross attention over encoder_output), parallel_attention_mlp,
 drop_path_rate, qk norms, packed thd input and sliding windows, against float64
-references written from the parameters (float64_refs.py), and te.MultiheadAttention
+references written from the parameters (references.py), and te.MultiheadAttention
 in cross-attention mode.
 """
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from float64_refs import (allowed_ref, assert_close, attend_ref, gelu_tanh_ref, layer_norm_ref,
-                          leaf64)
+from references import act_ref, allowed_ref, assert_close, attend_ref, leaf64, norm_ref
 
 S, S_ENC, B, HIDDEN, FFN, HEADS, GROUPS = 8, 6, 2, 64, 128, 4, 2
 D = HIDDEN // HEADS
@@ -36,6 +35,10 @@ def _linear(p, x, names=("query", "key", "value")):
     if "weight" in p:
         return x @ p["weight"].t() + p["bias"]
     return torch.cat([x @ p[f"{n}_weight"].t() + p[f"{n}_bias"] for n in names], dim=-1)
+
+
+def layer_norm_ref(x, w, b, eps):
+    return norm_ref(x, w, b, "LayerNorm", eps, False)
 
 
 def _attention(q, k, v, mask_type, window=None, q_norm=None, k_norm=None):
@@ -74,7 +77,7 @@ def _cross_attn_ref(p, x, enc, mask_type="no_mask"):
 
 def _mlp_ref(p, x):
     h = layer_norm_ref(x, p["layer_norm_weight"], p["layer_norm_bias"], EPS)
-    return gelu_tanh_ref(h @ p["fc1_weight"].t() + p["fc1_bias"]) @ p["fc2_weight"].t() \
+    return act_ref(h @ p["fc1_weight"].t() + p["fc1_bias"], "gelu") @ p["fc2_weight"].t() \
         + p["fc2_bias"]
 
 

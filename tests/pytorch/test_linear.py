@@ -7,22 +7,12 @@ import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-from transformer_engine.pytorch import quantize
-from utils import DEVICES
+from helpers import DEVICES
+from references import assert_close, cast_scale, deq, norm_rel_err
 
 RECIPES = [DelayedScaling(amax_history_len=4), DelayedScaling(fp8_format=Format.E4M3, margin=1),
            Float8CurrentScaling()]
 RECIPE_IDS = ["delayed-hybrid", "delayed-e4m3-margin1", "current"]
-
-
-def _operand_scales(m, recipe, x, w, dy):
-    """The scales te.Linear casts x, W (forward) and dy (backward) with."""
-    fmt = recipe.fp8_format.value
-    if recipe.delayed():
-        s = m.fp8_meta["scaling_fwd"].scale
-        return s[0:1].clone(), s[1:2].clone(), m.fp8_meta["scaling_bwd"].scale[0:1].clone()
-    return tuple(quantize.current_scale(quantize.amax(t), d)
-                 for t, d in ((x, fmt.dtype_fwd), (w, fmt.dtype_fwd), (dy, fmt.dtype_bwd)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -37,7 +27,9 @@ def test_fp8_linear_matches_float64_on_fp8_operands(device, recipe, dtype):
         x = (torch.randn(4, 8, 64, device=device) * (step + 1)).to(dtype).requires_grad_()
         dy = (torch.randn(4, 8, 48, device=device) * 1e-3).to(dtype)
         if step == 1:
-            sx, sw, sdy = _operand_scales(m, recipe, x, m.weight, dy)
+            # the scales te.Linear casts x, W (forward) and dy (backward) with
+            sx, sw, sdy = (cast_scale(m, recipe, forward, slot, t) for forward, slot, t in
+                           ((True, 0, x), (True, 1, m.weight), (False, 0, dy)))
         m.zero_grad()
         with te.autocast(recipe=recipe):
             y = m(x)
@@ -45,7 +37,6 @@ def test_fp8_linear_matches_float64_on_fp8_operands(device, recipe, dtype):
     if recipe.delayed():
         assert sx.item() != 1.0 and sdy.item() != 1.0   # step 0 really moved the scales
     x2, dy2 = x.detach().reshape(-1, 64), dy.reshape(-1, 48)
-    deq = lambda t, s, d: quantize.cast_to_fp8(t, s, d).dequantize(torch.float64)
     xq, wq = deq(x2, sx, fmt.dtype_fwd), deq(m.weight.detach(), sw, fmt.dtype_fwd)
     dyq = deq(dy2, sdy, fmt.dtype_bwd)
     refs = {"y": xq @ wq.t() + m.bias.detach().double(), "dx": dyq @ wq, "dw": dyq.t() @ xq,
@@ -57,8 +48,7 @@ def test_fp8_linear_matches_float64_on_fp8_operands(device, recipe, dtype):
     rel = 2.0 ** -8 if dtype == torch.bfloat16 else (1e-5 if device == "cpu" else 2.0 ** -11)
     for k, ref in refs.items():
         assert got[k].dtype == dtype, k
-        err = (got[k].double() - ref).abs().max() / ref.abs().max()
-        assert err <= rel, f"{k}: max error {err:.3g} relative to max |ref| exceeds {rel:.3g}"
+        assert_close(got[k], ref, rel, k)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
@@ -75,11 +65,10 @@ def test_fp8_linear_close_to_high_precision(recipe):
         with te.autocast(recipe=recipe):
             y = m(x)
         y.backward(dy)
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     # E4M3 operands: ~2^-4 per-element relative rounding, ~3% in norm; E5M2 dy: ~6%.
-    assert rel(y, F.linear(x, m.weight, m.bias)) < 0.08
-    assert rel(x.grad, x_hp.grad) < 0.12
-    assert rel(m.weight.grad, w_hp.grad) < 0.12
+    assert norm_rel_err(y, F.linear(x, m.weight, m.bias)) < 0.08
+    assert norm_rel_err(x.grad, x_hp.grad) < 0.12
+    assert norm_rel_err(m.weight.grad, w_hp.grad) < 0.12
 
 
 def test_saves_fp8_copies_for_backward():

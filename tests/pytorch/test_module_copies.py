@@ -11,9 +11,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling
-
-RECIPE = DelayedScaling(amax_history_len=4)
+from helpers import RECIPE, assert_states_equal, fp8_state_snapshot, te_modules
 
 MODULES = {
     "Linear": (lambda: te.Linear(32, 32, device="cpu"), (16, 32)),
@@ -66,14 +64,8 @@ def test_copy_at_any_point(name, point, how):
     clone = COPIES[how](m)
     x = x.detach()
     assert torch.equal(_forward(clone, x), _forward(m, x))
-    pairs = [(u, v) for u, v in zip(m.modules(), clone.modules()) if hasattr(u, "fp8_meta")]
-    assert len(pairs) == sum(hasattr(u, "fp8_meta") for u in clone.modules())
-    for u, v in pairs:
+    originals, copies = te_modules(m), te_modules(clone)
+    assert_states_equal(fp8_state_snapshot(originals), fp8_state_snapshot(copies), "the copy")
+    for u, v in zip(originals, copies):         # the copy's state is its own
         for key in ("scaling_fwd", "scaling_bwd"):
-            a, b = u.fp8_meta.get(key), v.fp8_meta.get(key)
-            if a is None:
-                assert b is None
-            else:
-                assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history,
-                                                                     b.amax_history)
-                assert a is not b
+            assert u.fp8_meta[key] is None or u.fp8_meta[key] is not v.fp8_meta[key], key

@@ -12,7 +12,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-from float64_refs import assert_close, leaf64
+from references import assert_close, leaf64
 
 RECIPE = DelayedScaling(amax_history_len=4)
 

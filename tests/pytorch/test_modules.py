@@ -1,6 +1,6 @@
-"""The TE module family against references written with plain torch ops in float64:
+"""The TE module family against the float64 references of references.py:
 LayerNorm / RMSNorm, LayerNormLinear, LayerNormMLP, DotProductAttention,
-MultiheadAttention (TransformerLayer: test_transformer_layer.py, with these references).
+MultiheadAttention (TransformerLayer: test_transformer_layer.py).
 
 High precision (outside te.autocast): forward and every gradient against float64.
 FP8: each GEMM against float64 on its dequantized FP8 operands, cast with the scale the
@@ -14,155 +14,23 @@ float32 rounding of one op; 1e-4 through a norm's backward (it subtracts means);
 looser, stated per test, where FP8 rounding itself is compared with high precision.
 """
 
-import math
-
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import distributed, quantize
-from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 from transformer_engine.pytorch.module.layernorm_mlp import ACTIVATIONS, activate
-from utils import DEVICES, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+from helpers import (DEVICES, RECIPE, REENTRANT, assert_runs_equal, assert_tensors_equal, capture,
+                     record_recompute_scales)
+from references import (GATED_ACTIVATIONS, assert_close, attention_ref, cast_scale, deq, leaf64,
+                        mha_ref, mlp_ref, norm_ref, norm_rel_err, padding_mask, qkv_split_ref,
+                        randomize_, rel_err)
 
 NORMS = ["LayerNorm", "RMSNorm"]
-RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
-           pytest.param(Float8CurrentScaling(), id="current")]
+RECIPES = [pytest.param(RECIPE, id="delayed"), pytest.param(Float8CurrentScaling(), id="current")]
 ALL_ACTIVATIONS = ["gelu", "geglu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu",
                    "silu", "swiglu"]
-
-
-def rel_err(got, ref):
-    ref = ref.double()
-    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
-
-
-def assert_close(got, ref, bound, what):
-    err = rel_err(got, ref)
-    assert err <= bound, f"{what}: error {err:.3g} relative to max |ref| exceeds {bound:.3g}"
-
-
-def randomize_(module):
-    """Non-trivial norm gains and shifts and linear biases (the defaults are 1 and 0)."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() != 1:
-                continue
-            if name.rsplit(".", 1)[-1] in ("weight", "layer_norm_weight"):   # norm gains
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:                                                            # shifts, biases
-                p.normal_(0.0, 0.1)
-
-
-def leaf64(t):
-    return None if t is None else t.detach().double().requires_grad_()
-
-
-def deq(t, scale, dtype):
-    """The float64 value of ``t`` cast to FP8 with ``scale``."""
-    return quantize.cast_to_fp8(t.detach(), scale, dtype).dequantize(torch.float64)
-
-
-def cast_scale(module, recipe, forward, slot, tensor):
-    """The scale the module casts ``tensor`` (its slot ``slot``) with."""
-    fmt = recipe.fp8_format.value
-    if recipe.delayed():
-        key = "scaling_fwd" if forward else "scaling_bwd"
-        return module.fp8_meta[key].scale[slot:slot + 1].clone()
-    dtype = fmt.dtype_fwd if forward else fmt.dtype_bwd
-    return quantize.current_scale(quantize.amax(tensor.detach()), dtype)
-
-
-# ---- plain-torch references (float64) -----------------------------------------------
-
-def norm_ref(x, weight, bias, normalization, eps, zero_centered_gamma):
-    gamma = weight + 1.0 if zero_centered_gamma else weight
-    if normalization == "LayerNorm":
-        mean = x.mean(-1, keepdim=True)
-        var = ((x - mean) ** 2).mean(-1, keepdim=True)
-        return (x - mean) / torch.sqrt(var + eps) * gamma + bias
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * gamma
-
-
-_ACT_REF = {
-    "gelu": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
-    "relu": lambda x: torch.where(x > 0, x, torch.zeros_like(x)),
-    "qgelu": lambda x: x / (1 + torch.exp(-1.702 * x)),
-    "srelu": lambda x: torch.where(x > 0, x * x, torch.zeros_like(x)),
-    "silu": lambda x: x / (1 + torch.exp(-x)),
-}
-_GATED_REF = {"geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu", "sreglu": "srelu",
-              "swiglu": "silu"}
-
-
-def act_ref(x, activation):
-    if activation in _GATED_REF:
-        half = x.shape[-1] // 2
-        return _ACT_REF[_GATED_REF[activation]](x[..., :half]) * x[..., half:]
-    return _ACT_REF[activation](x)
-
-
-def attention_ref(q, k, v, fmt, mask_type, mask=None, scale=None):
-    """softmax(q k^T * scale, masked) v with TE's masks (True = masked out)."""
-    if fmt == "sbhd":
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    else:
-        q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
-    b, h, sq, d = q.shape
-    rep = h // k.shape[1]
-    k = torch.cat([k[:, i // rep:i // rep + 1] for i in range(h)], dim=1)
-    v = torch.cat([v[:, i // rep:i // rep + 1] for i in range(h)], dim=1)
-    skv = k.shape[2]
-    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else d ** -0.5)
-    allowed = torch.ones(b, h, sq, skv, dtype=torch.bool)
-    if mask_type in ("causal", "padding_causal"):
-        allowed &= torch.tensor([[j <= i for j in range(skv)] for i in range(sq)])
-    if mask_type in ("padding", "padding_causal"):
-        allowed &= ~mask.reshape(b, 1, 1, skv)
-    if mask_type == "arbitrary":
-        allowed &= ~mask
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    out = probs @ v
-    if mask_type in ("padding", "padding_causal"):
-        out = out * (~mask.reshape(b, 1, sq, 1))
-    out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.permute(0, 2, 1, 3)
-    return out.reshape(*out.shape[:2], h * d)
-
-
-def qkv_split_ref(mixed, h, g, d, interleaved):
-    """TE's fused QKV layout, by explicit row indices: interleaved groups hold
-    ``[q heads of the group, k, v]``; otherwise all q rows, then k, then v."""
-    r = h // g
-    if interleaved:
-        q_rows = [(i // r * (r + 2) + i % r) for i in range(h)]
-        k_rows, v_rows = [j * (r + 2) + r for j in range(g)], [j * (r + 2) + r + 1 for j in range(g)]
-    else:
-        q_rows, k_rows, v_rows = list(range(h)), [h + j for j in range(g)], [h + g + j for j in range(g)]
-    pick = lambda rows: torch.stack([mixed[..., row * d:(row + 1) * d] for row in rows], dim=-2)
-    return pick(q_rows), pick(k_rows), pick(v_rows)
-
-
-def fused_qkv_ref(p, prefix):
-    """The QKV weight and bias: the fused ones, or TE's default split parameters
-    (``query_weight``, ...) concatenated, which is the non-interleaved layout."""
-    if prefix + "weight" in p:
-        return p[prefix + "weight"], p[prefix + "bias"], None
-    parts = ("query", "key", "value")
-    return (torch.cat([p[f"{prefix}{n}_weight"] for n in parts]),
-            torch.cat([p[f"{prefix}{n}_bias"] for n in parts]), False)
-
-
-def mha_ref(p, x, heads, groups, d, interleaved, mask_type, mask=None, ln=("LayerNorm", 1e-5, False)):
-    """MultiheadAttention(input_layernorm=True) on float64 parameters ``p``."""
-    h_ln = norm_ref(x, p["layernorm_qkv.layer_norm_weight"], p.get("layernorm_qkv.layer_norm_bias"),
-                    *ln)
-    w_qkv, b_qkv, layout = fused_qkv_ref(p, "layernorm_qkv.")
-    interleaved = interleaved if layout is None else layout
-    mixed = h_ln @ w_qkv.t() + b_qkv
-    q, k, v = qkv_split_ref(mixed, heads, groups, d, interleaved)
-    ctx = attention_ref(q, k, v, "sbhd", mask_type, mask)
-    return ctx @ p["proj.weight"].t() + p["proj.bias"], h_ln
 
 
 # ---- LayerNorm, RMSNorm ---------------------------------------------------------------
@@ -281,17 +149,11 @@ def test_layernorm_linear_outputs_and_dtypes():
 
 # ---- LayerNormMLP ----------------------------------------------------------------------
 
-def mlp_ref(p, x, normalization, activation):
-    ln = norm_ref(x, p["layer_norm_weight"], p.get("layer_norm_bias"), normalization, 1e-5, False)
-    h = ln @ p["fc1_weight"].t() + p["fc1_bias"]
-    return act_ref(h, activation) @ p["fc2_weight"].t() + p["fc2_bias"]
-
-
 @pytest.mark.parametrize("activation", ALL_ACTIVATIONS)
 def test_layernorm_mlp_high_precision(activation):
     normalization = "RMSNorm" if activation.endswith("glu") else "LayerNorm"
     m = te.LayerNormMLP(64, 32, normalization=normalization, activation=activation, device="cpu")
-    gated = activation in _GATED_REF
+    gated = activation in GATED_ACTIVATIONS
     assert m.fc1_weight.shape == ((64 if gated else 32), 64) and m.fc2_weight.shape == (64, 32)
     randomize_(m)
     with torch.no_grad():
@@ -460,36 +322,25 @@ def _mlp_train(checkpoint, outer, use_reentrant, steps=3):
         y = te.checkpoint(region, x, use_reentrant=use_reentrant) if outer else region(x)
         loss = y.float().pow(2).mean()
         loss.backward()
-        record.append((loss.detach(), [x.grad] + [t.grad.clone() for t in params],
-                       fp8_state_snapshot([pre, mlp])))
+        record.append(capture(loss, [x], params, [pre, mlp]))
         opt.step()
         opt.zero_grad()
     return record
 
 
 @pytest.mark.parametrize("outer", [False, True], ids=["alone", "inside-checkpoint"])
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_layernorm_mlp_checkpoint_is_invisible(use_reentrant, outer, monkeypatch):
     ref = _mlp_train(False, False, use_reentrant)
-    real = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute
-    recomputes = []
-    monkeypatch.setattr(FP8GlobalStateManager, "get_old_fp8_meta_tensors_for_recompute",
-                        lambda meta: recomputes.append(1) or real(meta))
+    recomputes = record_recompute_scales(monkeypatch)
     got = _mlp_train(True, outer, use_reentrant)
     # per step: the MLP's own recompute, plus the outer recompute of pre and mlp
     assert len(recomputes) == 3 * (3 if outer else 1)
-    for step, ((l0, g0, s0), (l1, g1, s1)) in enumerate(zip(ref, got)):
-        assert torch.equal(l0, l1), f"step {step}: loss {l0} vs {l1}"
-        assert_tensors_equal(g0, g1, f"step {step}: grads")
-        assert_states_equal(s0, s1, f"step {step}: FP8 state")
+    assert_runs_equal(ref, got)
     assert distributed.recompute_stash_count() == 0
 
 
 # ---- DotProductAttention -----------------------------------------------------------------
-
-def _padding(b, s, lengths):
-    return torch.stack([torch.arange(s) >= n for n in lengths]).reshape(b, 1, 1, s)
-
 
 @pytest.mark.parametrize("qkv_format", ["sbhd", "bshd"])
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal", "padding", "padding_causal", "arbitrary"])
@@ -502,7 +353,7 @@ def test_dot_product_attention_matches_float64(groups, mask_type, qkv_format):
     q, k, v = (torch.randn(*shape(n), requires_grad=True) for n in (h, groups, groups))
     mask = None
     if mask_type in ("padding", "padding_causal"):
-        mask = _padding(b, s, [11, 16])
+        mask = padding_mask(b, s, [11, 16])
     elif mask_type == "arbitrary":
         mask = torch.rand(b, 1, s, s) < 0.3
         mask[..., 0] = False                     # every query sees at least one key
@@ -568,7 +419,7 @@ def test_multihead_attention_high_precision(groups, interleaved):
                               fuse_qkv_params=True, attn_mask_type="padding", device="cpu")
     assert m.layernorm_qkv.weight.shape == ((4 + 2 * groups) * 16, 64)
     randomize_(m)
-    mask = _padding(2, 16, [16, 9])
+    mask = padding_mask(2, 16, [16, 9])
     x = torch.randn(16, 2, 64, requires_grad=True)
     dy = torch.randn(16, 2, 64)
     y = m(x, mask)
@@ -618,11 +469,10 @@ def test_multihead_attention_fp8(recipe):
     assert_close(out, ref.reshape(16, 2, 64), 1e-5, "out")
     assert bias is m.proj.bias
     # FP8 against high precision (E4M3 forward, E5M2 backward: a few percent)
-    norm_err = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
     x64 = leaf64(x)
     hp, _ = mha_ref(p, x64, 4, 2, 16, True, "causal")
-    assert norm_err(out + bias, hp.detach()) < 0.08
+    assert norm_rel_err(out + bias, hp.detach()) < 0.08
     hp.pow(2).sum().backward()
-    assert norm_err(x.grad, x64.grad) < 0.15
+    assert norm_rel_err(x.grad, x64.grad) < 0.15
     for n, t in m.named_parameters():
-        assert norm_err(t.grad, p[n].grad) < 0.15, n
+        assert norm_rel_err(t.grad, p[n].grad) < 0.15, n

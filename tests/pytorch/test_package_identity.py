@@ -19,7 +19,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import fp8
 
-from utils import HAS_CUDA_FP8
+from helpers import HAS_CUDA_FP8
 
 ROOT = Path(__file__).resolve().parents[2]
 

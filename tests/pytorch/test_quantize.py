@@ -5,7 +5,7 @@ import torch
 
 from transformer_engine.pytorch import quantize
 from transformer_engine.pytorch.kernel_config import kernel_config
-from utils import DEVICES, cuda_fp8
+from helpers import DEVICES, cuda_fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Hopper's FP8 tensor cores accumulate with about 14 mantissa bits (DeepSeek-V3 report,

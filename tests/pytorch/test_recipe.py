@@ -8,7 +8,8 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling,
-                                              Float8CurrentScaling, Format, max_margin)
+                                              Float8BlockScaling, Float8CurrentScaling, Format,
+                                              MXFP8BlockScaling, NVFP4BlockScaling, max_margin)
 from transformer_engine.pytorch import quantize
 
 
@@ -92,3 +93,36 @@ def test_scaling_factor_callable_result_is_converted_to_float32():
     assert state.scale.dtype == torch.float32
     assert torch.equal(state.scale, torch.full((2,), 0.25))
     assert torch.equal(state.scale_inv, torch.full((2,), 4.0))
+
+
+@pytest.mark.parametrize("cls", [MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling],
+                         ids=lambda c: c.__name__)
+def test_unimplemented_recipes_construct_and_refuse_to_run(cls):
+    recipe = cls()
+    assert not recipe.implemented() and not recipe.delayed()
+    assert recipe.mxfp8() is (cls is MXFP8BlockScaling)
+    assert recipe.float8_block_scaling() is (cls is Float8BlockScaling)
+    assert recipe.nvfp4() is (cls is NVFP4BlockScaling)
+    with pytest.raises(NotImplementedError, match=f"{cls.__name__} is not implemented"):
+        with te.autocast(recipe=recipe):
+            raise AssertionError("the autocast must refuse the recipe")
+    with te.autocast(enabled=False, recipe=recipe):     # FP8 off: nothing runs it
+        pass
+
+
+@pytest.mark.parametrize("recipe, per_tensor", [(DelayedScaling(), True),
+                                                (Float8CurrentScaling(), True)],
+                         ids=["delayed", "current"])
+def test_recipe_predicates(recipe, per_tensor):
+    assert recipe.float8_per_tensor_scaling() is per_tensor and recipe.implemented()
+    assert not (recipe.mxfp8() or recipe.nvfp4() or recipe.float8_block_scaling()
+                or recipe.custom())
+    assert recipe.delayed() is isinstance(recipe, DelayedScaling)
+    assert recipe.float8_current_scaling() is isinstance(recipe, Float8CurrentScaling)
+
+
+def test_recipes_are_immutable():
+    recipe = DelayedScaling()
+    with pytest.raises(AttributeError, match="cannot assign to field 'margin'"):
+        recipe.margin = 1
+    assert dataclasses.replace(recipe, margin=1).margin == 1

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import quantize
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-from checkpoint_utils import CLEAN, RECIPE, REENTRANT, global_state, linears, stash_count
+from helpers import CLEAN, RECIPE, REENTRANT, global_state, linears, stash_count
 
 SWAP_KEY = "updated_fp8_state_fwd"
 
@@ -92,10 +91,9 @@ def test_backward_inside_an_autocast_keeps_its_state(use_reentrant, how):
 def test_calibrating_recompute_records_no_amax(use_reentrant):
     """Calibration records amaxes in a training forward; its recompute must not."""
     (layer,) = linears(1)
-    recipe = DelayedScaling(amax_history_len=4)
 
     def region(h):
-        with te.autocast(enabled=False, calibrating=True, recipe=recipe):
+        with te.autocast(enabled=False, calibrating=True, recipe=RECIPE):
             return layer(h)
 
     x = torch.randn(16, 32, requires_grad=True)

@@ -1,6 +1,6 @@
 """Rotary position embeddings: te.RotaryPositionEmbedding's angles, apply_rotary_pos_emb
 and rotary_pos_emb in te.MultiheadAttention / te.TransformerLayer, against float64
-references that rotate each channel pair as a complex number (float64_refs.py).
+references that rotate each channel pair as a complex number (references.py).
 
 Bounds relative to max |reference|: 1e-6 for float32 rotations (one rounding of
 cos/sin and of the sum), 1e-5 through attention, 8e-3 for bfloat16 outputs (one
@@ -12,8 +12,8 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
-from float64_refs import (allowed_ref, assert_close, attend_ref, layer_norm_ref, leaf64,
-                          rope_angles_ref, rotate_ref)
+from references import (allowed_ref, assert_close, attend_ref, leaf64, norm_ref,
+                        rope_angles_ref, rotate_ref)
 
 S, B, HEADS, D = 12, 2, 4, 16
 
@@ -128,8 +128,8 @@ def _mha_ref(m, x, q_angles, k_angles, interleaved):
     """MultiheadAttention(input_layernorm=True, fuse_qkv_params=False), causal, in
     float64 from its parameters, with rotated queries and keys (sbhd)."""
     p = {n: t.detach().double() for n, t in m.named_parameters()}
-    h = layer_norm_ref(x, p["layernorm_qkv.layer_norm_weight"],
-                       p["layernorm_qkv.layer_norm_bias"], 1e-5)
+    h = norm_ref(x, p["layernorm_qkv.layer_norm_weight"], p["layernorm_qkv.layer_norm_bias"],
+                 "LayerNorm", 1e-5, False)
     proj = {n: h @ p[f"layernorm_qkv.{n}_weight"].t() + p[f"layernorm_qkv.{n}_bias"]
             for n in ("query", "key", "value")}
     s, b = x.shape[:2]

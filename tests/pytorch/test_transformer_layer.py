@@ -15,12 +15,10 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import distributed
-from test_modules import (act_ref, assert_close, attention_ref, fused_qkv_ref, mha_ref, norm_ref,
-                          qkv_split_ref, randomize_, rel_err)
-from utils import DEVICES, assert_states_equal, assert_tensors_equal, fp8_state_snapshot
+from helpers import (DEVICES, RECIPE, REENTRANT, assert_runs_equal, assert_states_equal, capture,
+                     fp8_state_snapshot, te_modules)
+from references import assert_close, layer_ref, norm_rel_err, randomize_, rel_err
 
-REENTRANT = [pytest.param(True, id="reentrant"), pytest.param(False, id="non-reentrant")]
-RECIPE = DelayedScaling(amax_history_len=4)
 SEQ, BATCH, HIDDEN, LAYERS = 16, 2, 64, 3
 
 
@@ -31,10 +29,6 @@ def build(seed=0, tracker=None, device="cpu"):
                             attention_dropout=0.1, layer_number=i + 1, device=device,
                             get_rng_state_tracker=(lambda: tracker) if tracker else None)
         for i in range(LAYERS))
-
-
-def te_modules(model):
-    return [m for m in model.modules() if isinstance(m, te.TransformerEngineBaseModule)]
 
 
 def layer_uses_fp8(precision, i):
@@ -73,21 +67,10 @@ def train(model, opt, steps, precision="fp8", layer_ckpt=None, core_ckpt=False, 
         x = step_input(step, device)
         loss = forward(model, x, precision, layer_ckpt, core_ckpt, tracker).float().pow(2).mean()
         loss.backward()
-        record.append({"loss": loss.detach().clone(), "x_grad": x.grad.clone(),
-                       "grads": [p.grad.clone() for p in model.parameters()],
-                       "states": fp8_state_snapshot(te_modules(model))})
+        record.append(capture(loss, [x], model.parameters(), te_modules(model)))
         opt.step()
         opt.zero_grad()
     return record
-
-
-def assert_runs_equal(ref, got):
-    assert len(ref) == len(got)
-    for step, (a, b) in enumerate(zip(ref, got)):
-        assert torch.equal(a["loss"], b["loss"]), f"step {step}: loss {a['loss']} vs {b['loss']}"
-        assert torch.equal(a["x_grad"], b["x_grad"]), f"step {step}: input grad"
-        assert_tensors_equal(a["grads"], b["grads"], f"step {step}: parameter grads")
-        assert_states_equal(a["states"], b["states"], f"step {step}: FP8 state")
 
 
 def run(precision="fp8", layer_ckpt=None, core_ckpt=False, use_tracker=False, steps=3,
@@ -163,33 +146,7 @@ def test_dropout_is_live():
                            forward(model, x, "fp8", None, False))
 
 
-# ---- one layer against float64 (references from test_modules.py) ---------------------
-
-def layer_ref(m, x, post_ln_residual=False, output_layernorm=False, normalization="LayerNorm",
-              activation="gelu", groups=4):
-    """TransformerLayer in eval mode (no dropout), in float64, from its parameters."""
-    p = {n: t.detach().double() for n, t in m.named_parameters()}
-    sub = lambda prefix: {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
-    attn_p = sub("self_attention.")
-    ln = (normalization, 1e-5, False)
-    if output_layernorm:           # post-norm: attention on x unnormalized
-        w_qkv, b_qkv, layout = fused_qkv_ref(attn_p, "qkv.")
-        mixed = x @ w_qkv.t() + b_qkv
-        q, k, v = qkv_split_ref(mixed, 4, groups, 16, True if layout is None else layout)
-        attn = attention_ref(q, k, v, "sbhd", "causal") @ attn_p["proj.weight"].t() + attn_p["proj.bias"]
-        ln1 = None
-    else:
-        attn, ln1 = mha_ref(attn_p, x, 4, groups, 16, True, "causal", ln=ln)
-    hidden = attn + (ln1 if post_ln_residual and not output_layernorm else x)
-    mlp_p = sub("layernorm_mlp.")
-    ln2 = norm_ref(hidden, mlp_p["layer_norm_weight"], mlp_p.get("layer_norm_bias"), *ln)
-    mlp = act_ref(ln2 @ mlp_p["fc1_weight"].t() + mlp_p["fc1_bias"], activation) \
-        @ mlp_p["fc2_weight"].t() + mlp_p["fc2_bias"]
-    out = mlp + (ln2 if post_ln_residual else hidden)
-    if output_layernorm:
-        out = norm_ref(out, p["layernorm.weight"], p.get("layernorm.bias"), *ln)
-    return out
-
+# ---- one layer against float64 -------------------------------------------------------
 
 LAYER_VARIANTS = {
     "pre-ln": {},
@@ -213,7 +170,7 @@ def test_transformer_layer_matches_float64(variant):
     with te.autocast(recipe=DelayedScaling()):
         layer(x)                                          # calibrates the delayed scales
         y_fp8 = layer(x)
-    assert ((y_fp8.double() - ref).norm() / ref.norm()).item() < 0.05
+    assert norm_rel_err(y_fp8, ref) < 0.05
     layer.train()
     torch.manual_seed(3)
     assert rel_err(layer(x), ref) > 1e-2, "hidden/attention dropout had no effect in training"

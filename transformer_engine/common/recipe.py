@@ -14,8 +14,8 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "max_margin",
-           "MAX_AMAX_HISTORY_LEN"]
+__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
+           "Float8BlockScaling", "NVFP4BlockScaling", "max_margin", "MAX_AMAX_HISTORY_LEN"]
 
 
 class _FormatSpec(NamedTuple):
@@ -73,7 +73,11 @@ def max_margin(fp8_format: Format) -> int:
 
 
 class Recipe:
-    """Base class of the FP8 recipes."""
+    """Base class of the FP8 recipes, with TE's kind predicates.
+
+    Recipes are immutable here (frozen dataclasses): where TE scripts assign a field
+    after construction, build a new recipe with ``dataclasses.replace(recipe, ...)``.
+    """
 
     def delayed(self) -> bool:
         """Whether this recipe keeps delayed-scaling state (amax history, scale)."""
@@ -82,6 +86,26 @@ class Recipe:
     def float8_current_scaling(self) -> bool:
         """Whether this recipe scales each tensor from its own amax at cast time."""
         return isinstance(self, Float8CurrentScaling)
+
+    def float8_per_tensor_scaling(self) -> bool:
+        """One scale per tensor: delayed or current scaling."""
+        return self.delayed() or self.float8_current_scaling()
+
+    def float8_block_scaling(self) -> bool:
+        return isinstance(self, Float8BlockScaling)
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def nvfp4(self) -> bool:
+        return isinstance(self, NVFP4BlockScaling)
+
+    def custom(self) -> bool:
+        return False
+
+    def implemented(self) -> bool:
+        """Whether this package runs this recipe's casts and GEMMs."""
+        return self.float8_per_tensor_scaling()
 
 
 def _check_format(name: str, fp8_format) -> None:
@@ -174,3 +198,47 @@ class Float8CurrentScaling(Recipe):
 
     def __post_init__(self):
         _check_format("Float8CurrentScaling", self.fp8_format)
+
+
+class _UnimplementedRecipe(Recipe):
+    """A recipe TE defines that this package constructs (so scripts that build it, or
+    check for it, run) but does not run: ``te.autocast`` refuses it."""
+
+    def __post_init__(self):
+        _check_format(type(self).__name__, self.fp8_format)
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(_UnimplementedRecipe):
+    """MXFP8: E8M0 scales per 32 consecutive values (Blackwell). Not implemented here:
+    constructing it works, running it in ``te.autocast`` raises NotImplementedError."""
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(_UnimplementedRecipe):
+    """FP8 with one scale per 1x128 block of activations and gradients and per 128x128
+    block of weights. Not implemented here: constructing it works, running it in
+    ``te.autocast`` raises NotImplementedError."""
+
+    fp8_format: Format = Format.E4M3
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling(_UnimplementedRecipe):
+    """NVFP4: FP4 values with FP8 scales per 16 values (Blackwell). Not implemented
+    here: constructing it works, running it in ``te.autocast`` raises
+    NotImplementedError."""
+
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False

@@ -158,6 +158,10 @@ def _check_autocast_args(api: str, enabled, calibrating, recipe, group) -> None:
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"{api}: the recipe must be a transformer_engine.common.recipe.Recipe "
                         f"(DelayedScaling, Float8CurrentScaling) or None, got {type(recipe).__name__}")
+    if recipe is not None and (enabled or calibrating) and not recipe.implemented():
+        raise NotImplementedError(
+            f"{api}: {type(recipe).__name__} is not implemented by this pure-PyTorch Transformer "
+            "Engine; use DelayedScaling or Float8CurrentScaling")
     if group is not None:
         dist = torch.distributed
         if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):

@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from transformer_engine.pytorch import global_state as te_global_state
-
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -86,11 +84,6 @@ def _errors(out_dir) -> str:
             with open(os.path.join(out_dir, name)) as f:
                 text += f"\n--- {name}:\n{f.read()}"
     return text
-
-
-def global_state_is_clean() -> bool:
-    """What conftest's autouse fixture checks, for a worker process."""
-    return te_global_state.snapshot() == te_global_state.clean()
 
 
 class CollectiveCounter:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
-from dist_utils import CollectiveCounter, global_state_is_clean, launch
+from dist_utils import CollectiveCounter, launch
+from helpers import assert_runs_equal, capture, fp8_state_snapshot, global_state_is_clean, params
 
 HIDDEN, TOKENS, STEPS, N_MODULES = 32, 16, 3, 3
 HISTORY = 4
@@ -34,20 +35,11 @@ def _build():
     return [te.Linear(HIDDEN, HIDDEN, device="cpu") for _ in range(N_MODULES)]
 
 
-def _state(m):
-    out = {}
-    for key in ("scaling_fwd", "scaling_bwd"):
-        s = m.fp8_meta[key]
-        out[key] = ({} if s is None else
-                    {"scale": s.scale.clone(), "amax_history": s.amax_history.clone()})
-    return out
-
-
 def _train_recorded(rank, recipe, autocast):
     """STEPS steps; per step the local amaxes (plain torch), the FP8 states after the
     step, and the all_reduce calls made by the forward and by the backward."""
     modules = _build()
-    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
+    opt = torch.optim.SGD(params(modules), lr=0.1)
     steps = []
     with CollectiveCounter() as counter:
         for step in range(STEPS):
@@ -65,7 +57,7 @@ def _train_recorded(rank, recipe, autocast):
             h.float().pow(2).mean().backward()
             bwd_calls = counter.take()
             steps.append({"fwd_local": fwd_local, "bwd_local": bwd_local,
-                          "states": [_state(m) for m in modules],
+                          "states": fp8_state_snapshot(modules),
                           "fwd_calls": fwd_calls, "bwd_calls": bwd_calls})
             opt.step()
             opt.zero_grad()
@@ -76,11 +68,11 @@ def _train_recorded(rank, recipe, autocast):
 
 def _invariance_run(rank, placement, checkpoint, use_reentrant):
     torch.manual_seed(0)
-    pre, a, b, post = (te.Linear(HIDDEN, HIDDEN, device="cpu") for _ in range(4))
-    params = [p for m in (pre, a, b, post) for p in m.parameters()]
-    opt = torch.optim.SGD(params, lr=0.5)
+    modules = [te.Linear(HIDDEN, HIDDEN, device="cpu") for _ in range(4)]
+    pre, a, b, post = modules
+    opt = torch.optim.SGD(params(modules), lr=0.5)
     recipe = DelayedScaling(amax_history_len=3)
-    calls, forwards, record = [], [0], []
+    calls, forwards, steps = [], [0], []
 
     def region(h):
         forwards[0] += 1
@@ -102,12 +94,10 @@ def _invariance_run(rank, placement, checkpoint, use_reentrant):
             loss = y.float().pow(2).mean()
             loss.backward()
             calls.append(counter.take())
-            record.append({"loss": loss.detach(), "x_grad": x.grad.clone(),
-                           "grads": [p.grad.clone() for p in params],
-                           "states": [_state(m) for m in (pre, a, b, post)]})
+            steps.append(capture(loss, [x], params(modules), modules))
             opt.step()
             opt.zero_grad()
-    return {"record": record, "calls": calls, "forwards": forwards[0]}
+    return {"steps": steps, "calls": calls, "forwards": forwards[0]}
 
 
 INVARIANCE_CASES = [(placement, reentrant) for placement in ("outer", "inner")
@@ -178,7 +168,7 @@ WORLD_SIZES = [2, 4]
 
 def _reduced_row(state):
     """The amaxes the update just used: the live row, rolled to the end of the history."""
-    return state["amax_history"][-1]
+    return state.amax_history[-1]
 
 
 def _check_reduced(per_rank, ranks_of, max_values):
@@ -188,20 +178,20 @@ def _check_reduced(per_rank, ranks_of, max_values):
         for rank, run in enumerate(per_rank):
             group = ranks_of(rank)
             for i in range(N_MODULES):
-                for key, local_key, fp8_max in (("scaling_fwd", "fwd_local", max_values[0]),
-                                                ("scaling_bwd", "bwd_local", max_values[1])):
-                    state = run["steps"][step]["states"][i][key]
+                for direction, local_key, fp8_max in (("fwd", "fwd_local", max_values[0]),
+                                                      ("bwd", "bwd_local", max_values[1])):
+                    state = getattr(run["steps"][step]["states"][i], direction)
                     expected = torch.stack([per_rank[r]["steps"][step][local_key][i]
                                             for r in group]).amax(0).reshape(-1)
                     assert torch.equal(_reduced_row(state), expected), (
-                        f"step {step} rank {rank} module {i} {key}: reduced amaxes "
+                        f"step {step} rank {rank} module {i} {direction}: reduced amaxes "
                         f"{_reduced_row(state)} != max over ranks {group} {expected}")
-                    other = per_rank[group[0]]["steps"][step]["states"][i][key]
-                    assert torch.equal(state["scale"], other["scale"]), (
-                        f"step {step} module {i} {key}: rank {rank} scale {state['scale']} "
-                        f"!= rank {group[0]} scale {other['scale']}")
-                    want = (fp8_max / state["amax_history"].double().amax(0)).float()
-                    torch.testing.assert_close(state["scale"], want, rtol=1e-6, atol=0)
+                    other = getattr(per_rank[group[0]]["steps"][step]["states"][i], direction)
+                    assert torch.equal(state.scale, other.scale), (
+                        f"step {step} module {i} {direction}: rank {rank} scale {state.scale} "
+                        f"!= rank {group[0]} scale {other.scale}")
+                    want = (fp8_max / state.amax_history.double().amax(0)).float()
+                    torch.testing.assert_close(state.scale, want, rtol=1e-6, atol=0)
 
 
 # ---- the tests -----------------------------------------------------------------------
@@ -213,7 +203,7 @@ def test_reduced_amaxes_and_identical_scales(results, world_size):
     # The ranks really saw different amaxes: the reduction changed rank 0's.
     for step in range(STEPS):
         local0 = per_rank[0]["steps"][step]["fwd_local"]
-        reduced0 = torch.stack([_reduced_row(st["scaling_fwd"])
+        reduced0 = torch.stack([_reduced_row(st.fwd)
                                 for st in per_rank[0]["steps"][step]["states"]])
         assert (local0 < reduced0).any(), f"step {step}: rank 0 saw the largest amaxes"
     assert all(r["clean"] for r in per_rank)
@@ -243,10 +233,9 @@ def test_reduce_amax_false_keeps_scales_local(results, world_size):
             s = run["steps"][step]
             assert s["fwd_calls"] == [] and s["bwd_calls"] == [], f"rank {rank}: collectives"
             for i in range(N_MODULES):
-                assert torch.equal(_reduced_row(s["states"][i]["scaling_fwd"]), s["fwd_local"][i])
-                assert torch.equal(_reduced_row(s["states"][i]["scaling_bwd"]),
-                                   s["bwd_local"][i:i + 1])
-        scales = [run["steps"][step]["states"][0]["scaling_fwd"]["scale"] for run in per_rank]
+                assert torch.equal(_reduced_row(s["states"][i].fwd), s["fwd_local"][i])
+                assert torch.equal(_reduced_row(s["states"][i].bwd), s["bwd_local"][i:i + 1])
+        scales = [run["steps"][step]["states"][0].fwd.scale for run in per_rank]
         assert not torch.equal(scales[0], scales[-1]), f"step {step}: scales did not stay local"
 
 
@@ -258,22 +247,9 @@ def test_subgroups_reduce_within_their_group(results):
     for rank, run in enumerate(per_rank):
         assert run["steps"][0]["fwd_calls"] == [("RedOpType.MAX", 2, N_MODULES * 2)], rank
     for step in range(STEPS):
-        a = per_rank[0]["steps"][step]["states"][0]["scaling_fwd"]["scale"]
-        b = per_rank[2]["steps"][step]["states"][0]["scaling_fwd"]["scale"]
+        a = per_rank[0]["steps"][step]["states"][0].fwd.scale
+        b = per_rank[2]["steps"][step]["states"][0].fwd.scale
         assert not torch.equal(a, b), f"step {step}: the two groups ended with equal scales"
-
-
-def _assert_runs_equal(ref, got, what):
-    for step, (a, b) in enumerate(zip(ref, got)):
-        assert torch.equal(a["loss"], b["loss"]), f"{what} step {step}: loss"
-        assert torch.equal(a["x_grad"], b["x_grad"]), f"{what} step {step}: input grad"
-        for i, (u, v) in enumerate(zip(a["grads"], b["grads"])):
-            assert torch.equal(u, v), f"{what} step {step}: grad of parameter {i}"
-        for i, (u, v) in enumerate(zip(a["states"], b["states"])):
-            for key in u:
-                for field in u[key]:
-                    assert torch.equal(u[key][field], v[key][field]), (
-                        f"{what} step {step}: module {i} {key}.{field}")
 
 
 @pytest.mark.parametrize("placement,use_reentrant", INVARIANCE_CASES,
@@ -285,14 +261,13 @@ def test_checkpoint_invariance_on_every_rank(results, placement, use_reentrant):
         case = r["invariance"][(placement, use_reentrant)]
         plain, ckpt = case["plain"], case["ckpt"]
         assert plain["forwards"] == STEPS and ckpt["forwards"] == 2 * STEPS   # recompute ran
-        _assert_runs_equal(plain["record"], ckpt["record"], f"rank {rank}")
+        assert_runs_equal(plain["steps"], ckpt["steps"], f"rank {rank}")
         assert ckpt["calls"] == plain["calls"], f"rank {rank}: collectives differ"
         assert all(len(c) == 2 for c in plain["calls"])     # one forward, one backward update
         assert r["invariance"]["clean"]
     # ... and the ranks were really reduced together (their data differ).
     for step in range(STEPS):
-        s0 = per_rank[0]["invariance"][(placement, use_reentrant)]["ckpt"]["record"][step]
-        s1 = per_rank[1]["invariance"][(placement, use_reentrant)]["ckpt"]["record"][step]
-        assert torch.equal(s0["states"][1]["scaling_fwd"]["scale"],
-                           s1["states"][1]["scaling_fwd"]["scale"])
-        assert not torch.equal(s0["loss"], s1["loss"])
+        s0 = per_rank[0]["invariance"][(placement, use_reentrant)]["ckpt"]["steps"][step]
+        s1 = per_rank[1]["invariance"][(placement, use_reentrant)]["ckpt"]["steps"][step]
+        assert torch.equal(s0.states[1].fwd.scale, s1.states[1].fwd.scale)
+        assert not torch.equal(s0.loss, s1.loss)

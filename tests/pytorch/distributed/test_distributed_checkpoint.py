@@ -14,7 +14,9 @@ import torch.distributed as dist
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import distributed
-from dist_utils import global_state_is_clean, launch
+from dist_utils import launch
+from helpers import (assert_runs_equal, assert_states_equal, capture, fp8_state_snapshot,
+                     global_state_is_clean)
 
 TP = 2
 SEQ, BATCH, K, N = 32, 2, 32, 64
@@ -42,12 +44,6 @@ class TPBlock(torch.nn.Module):
             return self.fc2(torch.nn.functional.gelu(self.fc1(x))) * torch.sigmoid(gate)
 
 
-def _state(m):
-    return {key: None if m.fp8_meta[key] is None else
-            (m.fp8_meta[key].scale.clone(), m.fp8_meta[key].amax_history.clone())
-            for key in ("scaling_fwd", "scaling_bwd")}
-
-
 def _run(rank, placement, mode, group_arg="world"):
     """mode: "plain" (no checkpoint), "ckpt" (reentrant), "distributed" (reentrant,
     distribute_saved_activations)."""
@@ -56,7 +52,7 @@ def _run(rank, placement, mode, group_arg="world"):
     params = list(block.parameters()) + list(head.parameters())
     opt = torch.optim.SGD(params, lr=0.5)
     recipe = DelayedScaling(amax_history_len=3)
-    forwards, record = [0], []
+    forwards, steps, saved_inputs = [0], [], []
 
     def region(h, gate):
         forwards[0] += 1
@@ -86,14 +82,11 @@ def _run(rank, placement, mode, group_arg="world"):
             y = head(out)
         loss = y.float().pow(2).mean()
         loss.backward()
-        record.append({"loss": loss.detach(), "x_grad": x.grad.clone(),
-                       "gate_grad": gate.grad.clone(),
-                       "grads": [p.grad.clone() for p in params],
-                       "states": [_state(m) for m in (block.fc1, block.fc2, head)],
-                       "saved": saved})
+        steps.append(capture(loss, [x, gate], params, [block.fc1, block.fc2, head]))
+        saved_inputs.append(saved)
         opt.step()
         opt.zero_grad()
-    return {"record": record, "forwards": forwards[0]}
+    return {"steps": steps, "saved": saved_inputs, "forwards": forwards[0]}
 
 
 PLACEMENTS = ["outer", "inner"]
@@ -104,7 +97,7 @@ def _not_divisible(rank):
     layer = te.Linear(16, 16, device="cpu")
     with te.autocast(recipe=DelayedScaling()):
         layer(torch.randn(16, 16))          # give the layer FP8 state
-    before = _state(layer)
+    before = fp8_state_snapshot([layer])
     message = None
     try:
         with te.autocast(recipe=DelayedScaling()):
@@ -112,9 +105,8 @@ def _not_divisible(rank):
                           distribute_saved_activations=True)
     except ValueError as err:
         message = str(err)
-    after = _state(layer)
-    same = all(torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]))
-    return {"message": message, "state_unchanged": same, "clean": global_state_is_clean()}
+    return {"message": message, "before": before, "after": fp8_state_snapshot([layer]),
+            "clean": global_state_is_clean()}
 
 
 def worker(rank, world_size):
@@ -136,32 +128,16 @@ def results():
     return launch(worker, TP)
 
 
-def _assert_runs_equal(ref, got, what):
-    for step, (a, b) in enumerate(zip(ref, got)):
-        w = f"{what} step {step}"
-        for key in ("loss", "x_grad", "gate_grad"):
-            assert torch.equal(a[key], b[key]), f"{w}: {key}"
-        for i, (u, v) in enumerate(zip(a["grads"], b["grads"])):
-            assert torch.equal(u, v), f"{w}: grad {i}"
-        for i, (u, v) in enumerate(zip(a["states"], b["states"])):
-            for key in u:
-                if u[key] is None or v[key] is None:
-                    assert u[key] is None and v[key] is None, f"{w}: module {i} {key}"
-                else:
-                    assert all(torch.equal(p, q) for p, q in zip(u[key], v[key])), (
-                        f"{w}: module {i} {key}")
-
-
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_distributed_equals_undistributed_and_plain(results, placement):
     for rank, r in enumerate(results):
         runs = r[placement]
         assert runs["plain"]["forwards"] == STEPS
         assert runs["ckpt"]["forwards"] == runs["distributed"]["forwards"] == 2 * STEPS
-        _assert_runs_equal(runs["plain"]["record"], runs["distributed"]["record"],
-                           f"rank {rank} distributed vs plain")
-        _assert_runs_equal(runs["ckpt"]["record"], runs["distributed"]["record"],
-                           f"rank {rank} distributed vs undistributed")
+        assert_runs_equal(runs["plain"]["steps"], runs["distributed"]["steps"],
+                          f"rank {rank} distributed vs plain")
+        assert_runs_equal(runs["ckpt"]["steps"], runs["distributed"]["steps"],
+                          f"rank {rank} distributed vs undistributed")
         assert r["clean"]
 
 
@@ -170,8 +146,8 @@ def test_saved_input_is_one_tp_th(results, placement):
     full = SEQ * BATCH * K
     for rank, r in enumerate(results):
         for step in range(STEPS):
-            dist_saved = r[placement]["distributed"]["record"][step]["saved"]
-            plain_saved = r[placement]["ckpt"]["record"][step]["saved"]
+            dist_saved = r[placement]["distributed"]["saved"][step]
+            plain_saved = r[placement]["ckpt"]["saved"][step]
             assert plain_saved["numel"] == full
             assert dist_saved["numel"] == full // TP, f"rank {rank} step {step}: {dist_saved}"
             assert dist_saved["nbytes"] == full // TP * 4, "the chunk must own just its slice"
@@ -180,8 +156,8 @@ def test_saved_input_is_one_tp_th(results, placement):
 
 def test_default_tp_group_is_the_world(results):
     for r in results:
-        _assert_runs_equal(r["inner"]["plain"]["record"], r["default_group"]["record"],
-                           "tp_group=None")
+        assert_runs_equal(r["inner"]["plain"]["steps"], r["default_group"]["steps"],
+                          "tp_group=None")
 
 
 def test_gather_restores_split(results):
@@ -194,7 +170,8 @@ def test_not_divisible_fails_before_phase_one(results):
         nd = r["not_divisible"]
         assert nd["message"] is not None and "numel (45, shape (3, 15)) divisible by the " \
             "tensor-parallel size 2" in nd["message"], nd["message"]
-        assert nd["state_unchanged"] and nd["clean"]
+        assert_states_equal(nd["after"], nd["before"], "after the refused call")
+        assert nd["clean"]
 
 
 # ---- single process: no process group -------------------------------------------------
@@ -208,8 +185,9 @@ def test_needs_an_initialized_group():
                       distribute_saved_activations=True)
 
 
-def test_needs_reentrant():
+def test_non_reentrant_ignores_distribution_with_a_warning():
     layer = te.Linear(16, 16, device="cpu")
-    with pytest.raises(ValueError, match="distribute_saved_activations=True needs use_reentrant=True"):
+    with pytest.warns(UserWarning, match="distribute_saved_activations=True is ignored with "
+                                         "use_reentrant=False"):
         te.checkpoint(layer, torch.randn(16, 16, requires_grad=True), use_reentrant=False,
-                      distribute_saved_activations=True)
+                      distribute_saved_activations=True).sum().backward()

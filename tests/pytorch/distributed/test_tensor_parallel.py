@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
-from dist_utils import CollectiveCounter, global_state_is_clean, launch
+from dist_utils import CollectiveCounter, launch
+from helpers import (assert_runs_equal, assert_states_equal, capture, fp8_state_snapshot,
+                     global_state_is_clean)
 
 TP = 2
 SEQ, BATCH, K, N = 32, 2, 32, 64
@@ -81,14 +83,6 @@ def _local_grad(g, mode, sp, rank):
     return _seq(g, rank) if sp else g
 
 
-def _state(m):
-    out = {}
-    for key in ("scaling_fwd", "scaling_bwd"):
-        s = m.fp8_meta[key]
-        out[key] = None if s is None else (s.scale.clone(), s.amax_history.clone())
-    return out
-
-
 def _run_linear(m, x_for_step, g_for_step, fp8, recipe, group):
     steps = []
     for step in range(STEPS):
@@ -98,7 +92,7 @@ def _run_linear(m, x_for_step, g_for_step, fp8, recipe, group):
             y = m(x)
         y.backward(g_for_step(g))
         steps.append({"y": y.detach(), "dx": x.grad, "dw": m.weight.grad.clone(),
-                      "db": m.bias.grad.clone(), "state": _state(m)})
+                      "db": m.bias.grad.clone(), "state": fp8_state_snapshot([m])})
         m.zero_grad()
     return steps
 
@@ -194,7 +188,7 @@ def _block_run(rank, sp, placement, checkpoint, use_reentrant):
     params = list(block.parameters()) + list(head.parameters())
     opt = torch.optim.SGD(params, lr=0.5)
     recipe = DelayedScaling(amax_history_len=3)
-    forwards, record = [0], []
+    forwards, steps, calls = [0], [], []
 
     def region(h):
         forwards[0] += 1
@@ -213,13 +207,11 @@ def _block_run(rank, sp, placement, checkpoint, use_reentrant):
                 y = head(torch.tanh(h))
             loss = y.float().pow(2).mean()
             loss.backward()
-            record.append({"loss": loss.detach(), "x_grad": x.grad.clone(),
-                           "grads": [p.grad.clone() for p in params],
-                           "states": [_state(m) for m in (block.fc1, block.fc2, head)],
-                           "calls": counter.take()})
+            steps.append(capture(loss, [x], params, [block.fc1, block.fc2, head]))
+            calls.append(counter.take())
             opt.step()
             opt.zero_grad()
-    return {"record": record, "forwards": forwards[0]}
+    return {"steps": steps, "calls": calls, "forwards": forwards[0]}
 
 
 BLOCK_CASES = [(sp, placement, reentrant) for sp in (False, True)
@@ -301,10 +293,8 @@ def test_fp8_states_match_single_process(results, references, mode, sp):
         ref = references["fp8"][step]["state"]
         for rank, r in enumerate(results):
             got = r["linear"][(mode, sp, "fp8")]["steps"][step]["state"]
-            for key in ("scaling_fwd", "scaling_bwd"):
-                for name, u, v in zip(("scale", "amax_history"), got[key], ref[key]):
-                    assert torch.equal(u, v), f"rank {rank} step {step} {key}.{name}: {u} vs {v}"
-        assert not torch.equal(ref["scaling_fwd"][0], torch.ones(2)), "scales never moved"
+            assert_states_equal(got, ref, f"rank {rank} step {step}")
+        assert not torch.equal(ref[0].fwd.scale, torch.ones(2)), "scales never moved"
 
 
 def test_fp8_really_ran(references):
@@ -314,8 +304,8 @@ def test_fp8_really_ran(references):
 
 def test_without_reduction_tp_scales_differ(results):
     """reduce_amax=False: each rank scales by its own weight shard's amax."""
-    s0 = results[0]["linear"]["no_reduce"][0]["state"]["scaling_fwd"][0]
-    s1 = results[1]["linear"]["no_reduce"][0]["state"]["scaling_fwd"][0]
+    s0 = results[0]["linear"]["no_reduce"][0]["state"][0].fwd.scale
+    s1 = results[1]["linear"]["no_reduce"][0]["state"][0].fwd.scale
     assert torch.equal(s0[0], s1[0])            # the input is replicated
     assert not torch.equal(s0[1], s1[1])        # the weight shards differ
 
@@ -333,29 +323,18 @@ def test_tp_block_checkpoint_invariance_on_every_rank(results, sp, placement, us
         case = r["blocks"][(sp, placement, use_reentrant)]
         plain, ckpt = case["plain"], case["ckpt"]
         assert plain["forwards"] == 3 and ckpt["forwards"] == 6      # the recompute ran
-        for step, (a, b) in enumerate(zip(plain["record"], ckpt["record"])):
-            what = f"rank {rank} step {step}"
-            assert torch.equal(a["loss"], b["loss"]), f"{what}: loss"
-            assert torch.equal(a["x_grad"], b["x_grad"]), f"{what}: input grad"
-            for i, (u, v) in enumerate(zip(a["grads"], b["grads"])):
-                assert torch.equal(u, v), f"{what}: grad {i}"
-            for i, (u, v) in enumerate(zip(a["states"], b["states"])):
-                for key in u:
-                    if u[key] is None or v[key] is None:
-                        assert u[key] is None and v[key] is None, f"{what}: module {i} {key}"
-                        continue
-                    assert all(torch.equal(p, q) for p, q in zip(u[key], v[key])), (
-                        f"{what}: module {i} {key}")
-            # The recompute adds TP collectives (its forward) but no amax reduction.
-            max_calls = lambda calls: [c for c in calls if c[0] == "RedOpType.MAX"]
-            assert max_calls(a["calls"]) == max_calls(b["calls"]), f"{what}: amax reductions"
+        assert_runs_equal(plain["steps"], ckpt["steps"], f"rank {rank}")
+        # The recompute adds TP collectives (its forward) but no amax reduction.
+        max_calls = lambda calls: [c for c in calls if c[0] == "RedOpType.MAX"]
+        for step, (a, b) in enumerate(zip(plain["calls"], ckpt["calls"], strict=True)):
+            assert max_calls(a) == max_calls(b), f"rank {rank} step {step}: amax reductions"
         assert r["clean"]
     # The TP ranks share their FP8 block scales (the amax reduction spans the group).
     for step in range(3):
-        states = [r["blocks"][(sp, placement, use_reentrant)]["ckpt"]["record"][step]["states"]
+        states = [r["blocks"][(sp, placement, use_reentrant)]["ckpt"]["steps"][step].states
                   for r in results]
         for i in (0, 1):
-            assert torch.equal(states[0][i]["scaling_fwd"][0], states[1][i]["scaling_fwd"][0])
+            assert torch.equal(states[0][i].fwd.scale, states[1][i].fwd.scale)
 
 
 # ---- argument checks, single process (no process group) ---------------------------------

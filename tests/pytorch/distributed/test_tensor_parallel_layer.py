@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine.pytorch as te
-from dist_utils import global_state_is_clean, launch
+from dist_utils import launch
+from helpers import global_state_is_clean
 
 TP = 2
 SEQ, BATCH, HIDDEN, FFN, HEADS, GROUPS = 8, 2, 32, 64, 4, 2

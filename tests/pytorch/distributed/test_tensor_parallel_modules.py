@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
-from dist_utils import global_state_is_clean, launch
+from dist_utils import launch
+from helpers import assert_states_equal, fp8_state_snapshot, global_state_is_clean
 
 TP = 2
 SEQ, BATCH, HIDDEN, OUT, FFN = 32, 2, 32, 64, 64
@@ -84,11 +85,6 @@ def _local_io(kind, sp, rank, x, g):
     return (x.chunk(TP, 0)[rank] if sp else x), _local_output(kind, sp, rank, g)
 
 
-def _state(m):
-    return {key: (m.fp8_meta[key].scale.clone(), m.fp8_meta[key].amax_history.clone())
-            for key in ("scaling_fwd", "scaling_bwd") if m.fp8_meta[key] is not None}
-
-
 def _run(m, kind, fp8, io, group):
     steps = []
     for step in range(STEPS):
@@ -99,7 +95,7 @@ def _run(m, kind, fp8, io, group):
         y.backward(g)
         steps.append({"y": y.detach(), "dx": x.grad,
                       "grads": {n: p.grad.clone() for n, p in m.named_parameters()},
-                      "state": _state(m)})
+                      "state": fp8_state_snapshot([m])})
         m.zero_grad()
     return steps
 
@@ -173,9 +169,7 @@ def test_module_matches_single_process(results, references, kind, sp, precision)
                 else:
                     _close(grad, _shard(name, ref["grads"][name], rank, gated),
                            f"{what} grad {name}")
-            for key, (scale, history) in ref["state"].items():
-                assert torch.equal(got["state"][key][0], scale), f"{what} {key} scale"
-                assert torch.equal(got["state"][key][1], history), f"{what} {key} history"
+            assert_states_equal(got["state"], ref["state"], what)
         assert r["clean"]
 
 

@@ -1,0 +1,298 @@
+"""The two checkpoint implementations behind ``te.checkpoint`` (distributed.py), one
+per mode, and the `CheckpointCall` both carry from phase 1 into the recompute.
+
+Reentrant: an autograd Function runs phase 1 under ``no_grad`` in its forward and the
+recompute plus an inner backward in its backward. Non-reentrant: saved-tensor hooks
+keep no activation in phase 1 and recompute the whole function at the first unpack.
+Where a thread stands and what a call keeps for its recompute live in recompute.py
+(NOTE [Recompute stashes], NOTE [Module modes]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from . import recompute
+from .amax_update import collect_backward_updates
+from .fp8 import FP8GlobalStateManager
+from .recompute import RecomputeFrame, RecomputeStateError
+from .rng import RngSnapshot
+from .tensor_parallel import (chunk_numel, gather_split_1d_tensor,
+                              split_tensor_into_1d_equal_chunks)
+from .utils import flatten_nested, rebuild_nested
+
+__all__ = ["reentrant_checkpoint", "non_reentrant_checkpoint"]
+
+
+def _autocast_snapshot() -> List[Tuple[str, bool, torch.dtype]]:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices]
+
+
+_NO_CONTEXTS = (contextlib.nullcontext(), contextlib.nullcontext())   # stateless
+
+
+def _user_contexts(context_fn: Optional[Callable]):
+    """The (phase-1, recompute) context managers ``context_fn`` returns."""
+    if context_fn is None:
+        return _NO_CONTEXTS
+    pair = context_fn()
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+            and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in pair)):
+        raise TypeError("te.checkpoint: context_fn must return a pair of context managers "
+                        "(one around the first forward, one around the recompute), got "
+                        f"{type(pair).__name__}")
+    return pair
+
+
+class _CheckpointCall:
+    """Everything one checkpoint call carries from phase 1 into its recompute: the
+    function, its `RecomputeFrame`, the RNG, ``torch.autocast`` and FP8 autocast
+    states of the call site, and whether the call counts as training."""
+
+    def __init__(self, function: Callable, tracker, context_fn):
+        self.function = function
+        self.frame = RecomputeFrame()
+        self.training = recompute.is_training_forward()   # inherited inside a reentrant phase 1
+        self.rng = RngSnapshot(tracker)
+        self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()
+        self.autocast = _autocast_snapshot()
+        self.user_forward_ctx, self.user_recompute_ctx = _user_contexts(context_fn)
+
+    @contextlib.contextmanager
+    def phase1(self, reentrant: bool):
+        with recompute.enter(self.frame, recomputing=False,
+                             training_under_no_grad=self.training if reentrant else None):
+            with self.user_forward_ctx:
+                yield
+
+    @contextlib.contextmanager
+    def recompute(self):
+        """The call site's FP8 autocast state, flags, RNG states (torch's and the
+        tracker's), ``torch.autocast`` state and module modes around a recompute."""
+        saved_fp8 = FP8GlobalStateManager.get_fp8_autocast_state()
+        self.frame.start_recompute()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.rng.replay())
+            for device, enabled, dtype in self.autocast:
+                if (torch.is_autocast_enabled(device) != enabled
+                        or torch.get_autocast_dtype(device) != dtype):
+                    stack.enter_context(torch.autocast(device_type=device, enabled=enabled,
+                                                       dtype=dtype))
+            stack.enter_context(recompute.enter(self.frame, recomputing=True,
+                                                training_under_no_grad=False))
+            FP8GlobalStateManager.set_fp8_autocast_state(self.fp8_state)
+            try:
+                self.frame.replay_modes()
+                with self.user_recompute_ctx:
+                    yield
+            finally:
+                FP8GlobalStateManager.set_fp8_autocast_state(saved_fp8)
+                self.frame.end_recompute()
+
+
+def _flatten(args: tuple, kwargs: dict):
+    keys = tuple(kwargs)
+    return keys, tuple(args) + tuple(kwargs[k] for k in keys)
+
+
+def _unflatten(flat: tuple, keys: tuple):
+    n = len(flat) - len(keys)
+    return flat[:n], dict(zip(keys, flat[n:]))
+
+
+def _no_grad_output_error() -> RuntimeError:
+    return RuntimeError(
+        "te.checkpoint: no output of the checkpointed function requires grad, so there is "
+        "nothing to backpropagate through it; call the function directly instead of "
+        "checkpointing it.")
+
+
+class _ReentrantCheckpointFunction(torch.autograd.Function):
+    """Phase 1 under no_grad in forward; recompute + inner backward in backward.
+    Outputs in nested tuples, lists and dicts are returned flat and rebuilt by the
+    caller, so every output tensor stays connected to the graph."""
+
+    @staticmethod
+    def forward(ctx, call: _CheckpointCall, keys: tuple, distribute: Optional[Any],
+                out_spec: list, _grad_anchor: torch.Tensor, *flat):
+        ctx.call, ctx.keys = call, keys
+        args, kwargs = _unflatten(flat, keys)
+        first = next((a for a in flat if torch.is_tensor(a)), None)
+        if distribute is not None and first is not None:
+            chunk_numel(first, distribute)     # fail before phase 1 touches any FP8 state
+        with call.phase1(reentrant=True):
+            outputs = call.function(*args, **kwargs)
+        leaves, spec = flatten_nested(outputs)
+        out_spec.append(spec)
+        ctx.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
+        ctx.inputs_require_grad = [flat[i].requires_grad for i in ctx.tensor_positions]
+        ctx.non_tensors = [None if torch.is_tensor(a) else a for a in flat]
+        tensors = [flat[i] for i in ctx.tensor_positions]
+        ctx.distributed_shape = None
+        if distribute is not None and tensors:
+            ctx.distributed_shape = tensors[0].shape
+            tensors[0] = split_tensor_into_1d_equal_chunks(tensors[0], distribute, new_buffer=True)
+        ctx.distribute = distribute
+        ctx.save_for_backward(*tensors)
+        return tuple(leaves)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "te.checkpoint(use_reentrant=True) does not work with torch.autograd.grad(): "
+                "its recompute runs a nested .backward(). Use loss.backward(), or "
+                "te.checkpoint(..., use_reentrant=False).")
+        call: _CheckpointCall = ctx.call
+        tensors = list(ctx.saved_tensors)
+        if ctx.distributed_shape is not None:
+            tensors[0] = gather_split_1d_tensor(tensors[0], ctx.distribute).view(
+                ctx.distributed_shape)
+        flat = list(ctx.non_tensors)
+        inputs = []
+        for pos, tensor, req in zip(ctx.tensor_positions, tensors, ctx.inputs_require_grad):
+            t = tensor.detach().requires_grad_(req)
+            flat[pos] = t
+            inputs.append(t)
+        args, kwargs = _unflatten(tuple(flat), ctx.keys)
+        with call.recompute(), torch.enable_grad():
+            outputs, _ = flatten_nested(call.function(*args, **kwargs))
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if not pairs:
+            raise _no_grad_output_error()
+        # the inner pass's backward updates belong to the enclosing pass
+        with collect_backward_updates():
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = [t.grad if req else None for t, req in zip(inputs, ctx.inputs_require_grad)]
+        grads_out = [None] * len(flat)
+        for pos, g in zip(ctx.tensor_positions, input_grads):
+            grads_out[pos] = g
+        return (None, None, None, None, None, *grads_out)
+
+
+def reentrant_checkpoint(function, tracker, context_fn, distribute, args, kwargs):
+    call = _CheckpointCall(function, tracker, context_fn)
+    keys, flat = _flatten(args, kwargs)
+    anchor = torch.empty(0, requires_grad=True) if torch.is_grad_enabled() else torch.empty(0)
+    out_spec: list = []
+    leaves = _ReentrantCheckpointFunction.apply(call, keys, distribute, out_spec, anchor, *flat)
+    return rebuild_nested(list(leaves), out_spec[0])
+
+
+class _SavedInputs(torch.autograd.Function):
+    """Holds a non-reentrant call's tensor arguments for its recompute on a graph node
+    of their own. Saving them (rather than keeping references) lets an enclosing
+    checkpoint's hooks drop and recompute them like any other activation, and lets
+    autograd's version check catch an argument modified in place before backward.
+    The node's output is never used in the graph, so the node never runs."""
+
+    @staticmethod
+    def forward(ctx, _anchor: torch.Tensor, *tensors: torch.Tensor):
+        ctx.save_for_backward(*tensors)
+        return _anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        raise RuntimeError("te.checkpoint: internal node _SavedInputs must never run backward")
+
+
+class _NonReentrantCheckpoint:
+    """One non-reentrant checkpoint call: saved-tensor hooks that keep no activation in
+    phase 1 (each saved tensor is packed as its position) and, at the first unpack of
+    a backward pass, recompute the whole function and hand the recomputed tensors out
+    by position, each exactly once (so a retained graph's next pass recomputes again).
+
+    The hooks are bound methods of this object, so the phase-1 graph owns it; it holds
+    no tensor of that graph (arguments sit on a `_SavedInputs` node, recomputed
+    tensors are detached), so no reference cycle keeps a dropped graph alive.
+    """
+
+    __slots__ = ("call", "keys", "non_tensors", "tensor_positions", "inputs_holder",
+                 "saved_count", "metadata", "recomputed", "__weakref__")
+
+    def __init__(self, call: _CheckpointCall, keys: tuple, flat: tuple, check_metadata: bool):
+        self.call, self.keys = call, keys
+        # determinism_check="default": shape, dtype and device of each saved tensor
+        self.metadata: Optional[list] = [] if check_metadata else None
+        self.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
+        self.non_tensors = [None if torch.is_tensor(a) else a for a in flat]
+        # Keep the node's (empty) output, not only the node: some torch releases (2.11)
+        # free a custom Function's saved tensors once all its outputs are gone.
+        self.inputs_holder = _SavedInputs.apply(torch.empty(0, requires_grad=True),
+                                                *(flat[i] for i in self.tensor_positions))
+        self.saved_count = 0
+        self.recomputed: dict = {}
+
+    def pack_phase1(self, tensor: torch.Tensor) -> int:
+        position = self.saved_count
+        self.saved_count = position + 1
+        if self.metadata is not None:
+            self.metadata.append((tensor.shape, tensor.dtype, tensor.device))
+        return position
+
+    def unpack(self, position: int) -> torch.Tensor:
+        tensor = self.recomputed.pop(position, None)
+        if tensor is None:
+            self._recompute()
+            tensor = self.recomputed.pop(position)
+        return tensor
+
+    def _recompute(self) -> None:
+        flat = list(self.non_tensors)
+        saved_inputs = self.inputs_holder.grad_fn.saved_tensors
+        for position, tensor in zip(self.tensor_positions, saved_inputs):
+            flat[position] = tensor
+        args, kwargs = _unflatten(tuple(flat), self.keys)
+        recomputed: dict = {}
+
+        def pack(tensor: torch.Tensor) -> None:
+            recomputed[len(recomputed)] = tensor.detach()
+
+        with (self.call.recompute(), torch.enable_grad(),
+              torch.autograd.graph.saved_tensors_hooks(pack, _unpack_in_recompute)):
+            self.call.function(*args, **kwargs)
+        if len(recomputed) != self.saved_count:
+            raise RecomputeStateError(
+                f"te.checkpoint: the recompute saved {len(recomputed)} tensor(s) for "
+                f"backward where the first forward saved {self.saved_count}; the "
+                "checkpointed function must run the same operations in both phases")
+        if self.metadata is not None:
+            for i, expected in enumerate(self.metadata):
+                t = recomputed[i]
+                if (t.shape, t.dtype, t.device) != expected:
+                    raise RecomputeStateError(
+                        f"te.checkpoint: saved tensor #{i} of the recompute is "
+                        f"{tuple(t.shape)} {t.dtype} on {t.device} where the first forward "
+                        f"saved {tuple(expected[0])} {expected[1]} on {expected[2]}; the "
+                        "checkpointed function must run the same operations in both phases "
+                        "(determinism_check='none' skips this check)")
+        self.recomputed = recomputed
+
+
+def _unpack_in_recompute(_packed) -> torch.Tensor:
+    raise RuntimeError("te.checkpoint: a saved tensor of the recompute's own graph was "
+                       "used; the recompute graph exists only to produce saved tensors")
+
+
+def non_reentrant_checkpoint(function, tracker, context_fn, check_metadata, args, kwargs):
+    """Phase 1 under saved-tensor hooks that keep nothing; the recompute at the first
+    unpack in backward (`_NonReentrantCheckpoint`). Works with ``torch.autograd.grad``
+    and ``retain_graph``; runs the whole function (no early stop)."""
+    call = _CheckpointCall(function, tracker, context_fn)
+    if not torch.is_grad_enabled():
+        with call.phase1(reentrant=False):
+            return function(*args, **kwargs)
+    keys, flat = _flatten(args, kwargs)
+    state = _NonReentrantCheckpoint(call, keys, flat, check_metadata)
+    with call.phase1(reentrant=False), torch.autograd.graph.saved_tensors_hooks(
+            state.pack_phase1, state.unpack):
+        outputs = function(*args, **kwargs)
+    leaves, _ = flatten_nested(outputs)
+    if not any(torch.is_tensor(t) and t.requires_grad for t in leaves):
+        raise _no_grad_output_error()
+    return outputs
