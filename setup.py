@@ -22,6 +22,9 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here (the GPU machine has 2.11); CI pins torch==2.13.0 itself.
     install_requires=["torch>=2.11"],
-    extras_require={"test": ["pytest>=7", "numpy", "ruff", "packaging", "accelerate==1.16.0"],
-                    "plot": ["matplotlib"]},
+    # tqdm: the progress bar of examples/pytorch/train_gpt.py (whose tests need it too);
+    # accelerate: the HF Accelerate client test
+    extras_require={"test": ["pytest>=7", "numpy", "ruff", "packaging", "accelerate==1.16.0",
+                             "tqdm==4.70.1"],
+                    "plot": ["matplotlib", "tqdm==4.70.1"]},
 )

@@ -6,6 +6,7 @@ autouse fixture below): a refused call leaves nothing behind.
 """
 
 import collections
+import contextlib
 import io
 import pickle
 import warnings
@@ -534,8 +535,56 @@ def test_mismatched_dtype_is_fine_under_torch_autocast_and_fp8():
 
 
 # ---- te.checkpoint arguments ------------------------------------------------------------------
-# Cases for te.checkpoint's own arguments belong here; they are added with the
-# te.checkpoint argument checks (that function is being changed elsewhere).
+
+def _ckpt(**kwargs):
+    """A te.checkpoint call of a small te.Linear with ``kwargs``."""
+    def run():
+        layer = te.Linear(16, 16, device=CPU)
+        te.checkpoint(layer, torch.randn(16, 16, requires_grad=True), **kwargs)
+    return run
+
+
+def _ckpt_of(function):
+    return lambda: te.checkpoint(function, torch.randn(16, 16, requires_grad=True))
+
+
+CHECKPOINT_CASES = [
+    _case(_ckpt_of(3), TypeError, "te.checkpoint: function must be callable, got int",
+          "checkpoint-function-int"),
+    _case(_ckpt(use_reentrant="yes"), TypeError,
+          "te.checkpoint: use_reentrant must be a bool, got 'yes'", "checkpoint-reentrant-str"),
+    _case(_ckpt(distribute_saved_activations=1), TypeError,
+          "te.checkpoint: distribute_saved_activations must be a bool, got 1",
+          "checkpoint-distribute-int"),
+    _case(_ckpt(get_rng_state_tracker="tracker"), TypeError,
+          "te.checkpoint: get_rng_state_tracker must be a callable returning a "
+          "CudaRNGStatesTracker, got str", "checkpoint-tracker-str"),
+    _case(_ckpt(tp_group="tp"), TypeError,
+          "te.checkpoint: tp_group must be a torch.distributed.ProcessGroup, got str",
+          "checkpoint-tp-group-str"),
+    _case(_ckpt(context_fn="contexts"), TypeError,
+          "te.checkpoint: context_fn must be a callable returning two context managers, got str",
+          "checkpoint-context-fn-str"),
+    _case(_ckpt(context_fn=lambda: contextlib.nullcontext()), TypeError,
+          "te.checkpoint: context_fn must return a pair of context managers",
+          "checkpoint-context-fn-one"),
+    _case(_ckpt(determinism_check="always"), ValueError,
+          "te.checkpoint: determinism_check must be 'default' or 'none', got 'always'",
+          "checkpoint-determinism-check"),
+    _case(_ckpt(debug="yes"), TypeError, "te.checkpoint: debug must be a bool, got 'yes'",
+          "checkpoint-debug-str"),
+    _case(_ckpt(debug=True), NotImplementedError, "te.checkpoint: debug=True",
+          "checkpoint-debug-true"),
+    _case(_ckpt(use_reentrant=True, distribute_saved_activations=True), RuntimeError,
+          "te.checkpoint: distribute_saved_activations=True needs an initialized "
+          "torch.distributed process group", "checkpoint-distribute-no-group"),
+]
+
+
+@pytest.mark.parametrize("fn, exc, match", CHECKPOINT_CASES)
+def test_checkpoint_arguments(fn, exc, match):
+    with pytest.raises(exc, match=match):
+        fn()
 
 
 # ---- set_extra_state payloads (NOTE [FP8 extra state payload]) ------------------------------

@@ -1,12 +1,16 @@
-"""Smoke tests of the main job, examples/pytorch/train_gpt.py: a few steps of a tiny
-model (the loss falls, FP8 + checkpointing equals FP8 without it bit for bit, the
-per-layer precision is what it says), its outputs, its argument checks, and two
-data-parallel processes over gloo ending with identical FP8 scales."""
+"""Tests of the main job: examples/pytorch/train_gpt.py (a few steps of a tiny model:
+the loss falls, only the middle layers run in FP8, Ctrl-C ends in one line with exit
+code 130, two gloo processes keep the same FP8 scales) and compare_runs.py (FP8 with
+and without checkpointing bit-identical, and a slightly nudged run caught)."""
 
 import datetime
 import importlib.util
 import json
 import os
+import re
+import select
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,31 +22,55 @@ import torch.multiprocessing as mp
 
 import transformer_engine.pytorch as te
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "pytorch" / "train_gpt.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pytorch"
 
 
-def load_script():
-    """The script as a module (examples/ is not a package)."""
-    if "train_gpt" in sys.modules:
-        return sys.modules["train_gpt"]
-    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = module       # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+def load_example(name):
+    """An example script as a module (examples/ is not a package); loading train_gpt
+    first under its own name lets compare_runs' ``from train_gpt import`` find it."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
-tg = load_script()
+tg = load_example("train_gpt")
+cr = load_example("compare_runs")
+
+TINY = ["--steps", "8", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+        "--batch", "4", "--lr", "1e-2", "--quiet"]
 
 
-def tiny_args(out, *extra):
-    return ["--steps", "8", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq-len", "16",
-            "--batch", "4", "--lr", "1e-2", "--max-bytes", "200000", "--eval-batches", "2",
-            "--eval-interval", "0", "--quiet", "--no-plot", "--out", str(out), *extra]
+def tiny_args(*extra):
+    return tg.build_parser().parse_args([*TINY, *extra])
+
+
+def has_fp8_state(module):
+    return any(isinstance(m, te.TransformerEngineBaseModule) and m.fp8_meta.get("scaling_fwd")
+               is not None for m in module.modules())
+
+
+def test_loss_falls_and_only_the_middle_layers_run_in_fp8():
+    model, log = tg.train(tiny_args("--layers", "4", "--steps", "12"))
+    losses = log["train_loss"]
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+    assert [step for step, _ in log["val_loss"]] == list(range(1, 13))
+    assert log["val_loss"][-1][1] < log["val_loss"][0][1] - 0.3
+    assert [has_fp8_state(layer) for layer in model.layers] == [False, True, True, False]
+    assert not has_fp8_state(model.head)
+    scales = cr.fp8_scales(model)
+    assert not torch.equal(scales, torch.ones_like(scales)), "the FP8 scales never moved"
+
+
+def test_the_baseline_runs_nothing_in_fp8():
+    model, _ = tg.train(tiny_args("--no-fp8", "--steps", "2"))
+    assert not has_fp8_state(model) and cr.fp8_scales(model).numel() == 0
 
 
 @pytest.fixture
-def count_layer_forwards(monkeypatch):
+def layer_forwards(monkeypatch):
     """Counts te.TransformerLayer forward calls (a recompute is a second call)."""
     calls = []
     original = te.TransformerLayer.forward
@@ -55,135 +83,90 @@ def count_layer_forwards(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode", ["--non-reentrant", "--use-reentrant"])
-def test_fp8_checkpointing_matches_no_checkpointing(tmp_path, count_layer_forwards, mode):
-    (ckpt,) = tg.main(tiny_args(tmp_path, "--precision", "fp8", mode))
-    ckpt_calls = len(count_layer_forwards)
-    (plain,) = tg.main(tiny_args(tmp_path, "--precision", "fp8", "--no-checkpoint", mode))
-    plain_calls = len(count_layer_forwards) - ckpt_calls
-    steps, layers, eval_batches = 8, 3, 2
-    # Every layer ran twice per step with checkpointing (phase 1 + recompute), once without.
-    assert ckpt_calls == 2 * steps * layers + eval_batches * layers
-    assert plain_calls == steps * layers + eval_batches * layers
-    losses = ckpt.result["train_loss"]
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert sum(losses[-2:]) / 2 < losses[0] - 0.3, losses
-    assert losses == plain.result["train_loss"]
-    assert ckpt.result["val_loss"] == plain.result["val_loss"]
-    assert len(ckpt.scale_trace) == steps
-    for step, (a, b) in enumerate(zip(ckpt.scale_trace, plain.scale_trace), 1):
-        assert torch.equal(a, b), f"FP8 scales differ after step {step}"
-    assert not torch.equal(ckpt.scale_trace[-1], torch.ones_like(ckpt.scale_trace[-1])), \
-        "the FP8 scales never moved from 1: the layer did not run in FP8"
-    assert ckpt.result["recompute_stash_tensors_left"] == 0
-    assert ckpt.result["saved_activations_mb"] < plain.result["saved_activations_mb"]
+@pytest.mark.parametrize("mode", [[], ["--use-reentrant"]], ids=["non-reentrant", "reentrant"])
+def test_fp8_with_and_without_checkpointing_are_bit_identical(layer_forwards, mode):
+    args = tiny_args(*mode)
+    ckpt = cr.run(args, **cr.RUNS["fp8-ckpt"])
+    ckpt_calls = len(layer_forwards)
+    plain = cr.run(args, **cr.RUNS["fp8"])
+    # Per step: 3 layers twice with checkpointing (first forward + recompute), once
+    # without; then 8 validation batches (no checkpointing) and 1 saved-MB forward.
+    assert ckpt_calls == 8 * (2 * 3 + 8 * 3) + 3
+    assert len(layer_forwards) - ckpt_calls == 8 * (3 + 8 * 3) + 3
+    assert cr.bit_identical(ckpt, plain)
+    assert len(ckpt["fp8_scales"]) == 8 and ckpt["fp8_scales"][0].numel() > 0
+    assert te.distributed.recompute_stash_count() == 0
+    assert ckpt["saved_activations_mb"] < plain["saved_activations_mb"] / 3
 
 
-def test_only_the_middle_layers_run_in_fp8(tmp_path):
-    (fp8,) = tg.main(tiny_args(tmp_path, "--precision", "fp8", "--layers", "4"))
-    (fp32,) = tg.main(tiny_args(tmp_path, "--precision", "fp32", "--layers", "4"))
-    assert fp8.result["fp8_layers"] == [1, 2]
-    has_state = [bool(tg.fp8_modules(layer)) for layer in fp8.model.layers]
-    assert has_state == [False, True, True, False]
-    assert not tg.fp8_modules(fp8.model.head) and not tg.fp8_modules(fp32.model)
-    # Same seed and data: the baseline differs only through the FP8 layers.
-    assert fp8.result["train_loss"][0] != fp32.result["train_loss"][0]
-    assert abs(fp8.result["train_loss"][-1] - fp32.result["train_loss"][-1]) < 0.25
+def test_bit_identical_compares_every_step_and_every_scale():
+    scales = [torch.ones(6), torch.full((6,), 2.0)]
+    a = {"train_loss": [5.0, 4.0], "fp8_scales": scales}
+    nudged = [scales[0], scales[1].clone()]
+    nudged[1][5] = torch.nextafter(nudged[1][5], torch.tensor(3.0))
+    assert cr.bit_identical(a, {"train_loss": [5.0, 4.0], "fp8_scales": list(scales)})
+    assert not cr.bit_identical(a, {"train_loss": [5.0, 4.0], "fp8_scales": nudged})
+    assert not cr.bit_identical(a, {"train_loss": [5.0, 4.0], "fp8_scales": scales[:1]})
+    assert not cr.bit_identical(a, {"train_loss": [5.0, 4.000001], "fp8_scales": scales})
 
 
-def test_compare_writes_summary_and_plot(tmp_path, capsys):
+def test_main_job_writes_summary_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    args = [a for a in tiny_args(tmp_path, "--steps", "4") if a != "--no-plot"]
-    outcomes = tg.main(args)
-    assert [o.result["run"] for o in outcomes] == ["fp8-ckpt", "fp8", "fp32-ckpt"]
+    runs = cr.main([*TINY, "--steps", "4", "--out", str(tmp_path)])
+    assert list(runs) == ["fp8-ckpt", "fp8", "baseline-ckpt"]
     summary = json.loads((tmp_path / "train_gpt_summary.json").read_text())
     assert summary["checkpointing_bit_identical"] is True
-    assert [r["label"] for r in summary["runs"]] == [
-        "FP8 (+FP32) + checkpointing", "FP8 (+FP32) no checkpointing", "FP32 + checkpointing"]
-    png = (tmp_path / "train_gpt_loss.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    printed = capsys.readouterr().out
-    assert "losses bit-identical: True" in printed and "tokens/s" in printed
+    assert [r["label"] for r in summary["runs"].values()] == [
+        "FP8 + FP32, checkpointed", "FP8 + FP32, no checkpointing", "FP32, checkpointed"]
+    assert (tmp_path / "train_gpt_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "after every step bit-identical: True" in capsys.readouterr().out
 
 
-def test_no_plot_writes_no_png(tmp_path):
-    tg.main(tiny_args(tmp_path, "--precision", "fp32", "--steps", "2"))
-    assert (tmp_path / "train_gpt_summary.json").exists()
-    assert not (tmp_path / "train_gpt_loss.png").exists()
+def test_main_job_catches_a_slightly_nudged_run(tmp_path, monkeypatch, capsys):
+    """Nudge one weight of the un-checkpointed FP8 run by 0.1% after its third step:
+    the comparison must say so and exit non-zero."""
+
+    def nudged_train(args, after_step):
+        def nudge(step, model, loss):
+            if step == 3 and args.fp8 and not args.checkpoint:
+                model.ln_f.weight.data[0] *= 1.001
+            after_step(step, model, loss)
+        return tg.train(args, after_step=nudge)
+
+    monkeypatch.setattr(cr, "train", nudged_train)
+    with pytest.raises(SystemExit, match="FP8 with and without checkpointing differ"):
+        cr.main([*TINY, "--steps", "5", "--no-plot", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "train_gpt_summary.json").read_text())
+    assert summary["checkpointing_bit_identical"] is False
+    ckpt, plain = summary["runs"]["fp8-ckpt"]["train_loss"], summary["runs"]["fp8"]["train_loss"]
+    assert ckpt[:3] == plain[:3] and ckpt[3:] != plain[3:]
+    assert "bit-identical: False" in capsys.readouterr().out
 
 
-def test_data_split_is_deterministic_and_disjoint(tmp_path):
-    text = bytes(range(1, 256)) * 200     # no NUL: a NUL marks a binary file
-    (tmp_path / "a.txt").write_bytes(text)
-    loaded, what = tg.load_text(str(tmp_path), 10 ** 6)
-    assert loaded == text and str(tmp_path) in what
-    a, b = tg.CharData(loaded, 16, torch.device("cpu")), tg.CharData(loaded, 16, torch.device("cpu"))
-    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
-    assert len(a.train) + len(a.val) == len(text) and len(a.val) * 8 < len(a.train)
-    x, y = a.batch("val", 3, torch.Generator().manual_seed(0))
-    assert torch.equal(x[:, 1:], y[:, :-1])
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--compare", "--precision", "bf16"], "--compare trains its three fixed configurations"),
-    (["--compare", "--no-checkpoint"], "drop --compare to train one configuration"),
-    (["--hidden", "40"], r"--hidden must be a multiple of 16 \(FP8 GEMMs\) and of --heads; "
-                         r"got --hidden 40 --heads 4"),
-    (["--hidden", "48", "--heads", "5"], "got --hidden 48 --heads 5"),
-    (["--batch", "3", "--seq-len", "15"], "--batch x --seq-len must be a multiple of 16 .*3 x 15"),
-    (["--steps", "0"], "--steps must be positive, got 0"),
-    (["--dropout", "1.0"], r"--dropout must be in \[0, 1\), got 1.0"),
-])
-def test_bad_arguments_are_refused(argv, message, capsys):
-    with pytest.raises(ValueError, match=message):
-        tg.resolve(tg.build_parser().parse_args(argv))
-    with pytest.raises(SystemExit):
-        tg.parse_args(argv)
-    assert "error:" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv, runs", [
-    ([], ["fp8-ckpt", "fp8", "fp32-ckpt"]),
-    (["--hp-dtype", "bf16"], ["fp8-ckpt", "fp8", "bf16-ckpt"]),
-    (["--precision", "bf16"], ["bf16-ckpt"]),
-    (["--no-checkpoint"], ["fp8"]),
-    (["--precision", "fp32", "--no-checkpoint"], ["fp32"]),
-])
-def test_runs_chosen_by_the_flags(argv, runs):
-    args = tg.parse_args(argv)
-    assert [c.name for c in args.configs] == runs
-    assert args.compare == (len(runs) == 3)
-
-
-@pytest.mark.parametrize("argv, deterministic", [
-    ([], False),                                    # CPU kernels are deterministic anyway
-    (["--device", "cuda"], True),                   # the CUDA comparison needs it
-    (["--device", "cuda", "--precision", "fp8"], False),
-    (["--device", "cuda", "--nondeterministic"], False),
-    (["--precision", "fp8", "--deterministic"], True),
-])
-def test_deterministic_kernels_default(argv, deterministic):
-    assert tg.parse_args(argv).deterministic is deterministic
-
-
-def test_deterministic_kernels_put_back_what_they_found(monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    before = torch.are_deterministic_algorithms_enabled()
-    with tg.deterministic_kernels(True):
-        assert torch.are_deterministic_algorithms_enabled()
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        assert not torch.backends.cuda.flash_sdp_enabled()
-    assert torch.are_deterministic_algorithms_enabled() == before
-    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
-    assert torch.backends.cuda.flash_sdp_enabled()
-
-
-def test_a_missing_data_path_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="--data .*nowhere.* is neither a file nor a folder"):
-        tg.load_text(str(tmp_path / "nowhere"), 1000)
-    (tmp_path / "short.txt").write_text("too short")
-    with pytest.raises(ValueError, match="only 9 bytes of text"):
-        tg.load_text(str(tmp_path / "short.txt"), 1000)
+@pytest.mark.parametrize("script", ["train_gpt", "compare_runs"])
+def test_ctrl_c_prints_one_line_and_exits_130(script, tmp_path):
+    cmd = [sys.executable, str(EXAMPLES / f"{script}.py"), *TINY[:-1], "--steps", "100000"]
+    if script == "compare_runs":
+        cmd += ["--no-plot", "--out", str(tmp_path)]
+    # SIGINT at its default (a shell's background job would inherit it ignored).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        seen, deadline = b"", time.monotonic() + 120
+        while not re.search(rb"\| [1-9]\d*/100000 ", seen):  # the bar shows a step done
+            assert time.monotonic() < deadline and proc.poll() is None, seen.decode()
+            if select.select([proc.stderr], [], [], 1.0)[0]:
+                seen += os.read(proc.stderr.fileno(), 1 << 16)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    err = (seen + err).decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and out == b""
+    last_lines = [line for line in err.splitlines() if line.strip()]
+    assert last_lines[-1].startswith("interrupted at step ") and err.count("interrupted") == 1
+    assert int(last_lines[-1].split()[-1]) >= 1
 
 
 # ---- two data-parallel processes over gloo -------------------------------------------
@@ -196,25 +179,19 @@ def _dp_worker(rank: int, world: int, store: str, out: str):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        module = tg
         saved = {}
         for extra in ([], ["--no-amax-reduce"]):
-            (outcome,) = module.main(tiny_args(Path(out) / "run", "--steps", "4",
-                                               "--precision", "fp8", *extra))
-            metas = [m.fp8_meta for m in module.fp8_modules(outcome.model)]
-            saved["reduced" if not extra else "local"] = {
-                "scales": module.fp8_scales(outcome.model),
-                "histories": [m[k].amax_history.clone() for m in metas
-                              for k in ("scaling_fwd", "scaling_bwd")],
-                "loss": outcome.result["train_loss"],
-                "params": [p.detach().clone() for p in outcome.model.parameters()],
-                "says_identical": outcome.result["fp8_scales_identical_across_ranks"]}
+            model, log = tg.train(tiny_args("--steps", "4", *extra))
+            saved["local" if extra else "reduced"] = {
+                "scales": cr.fp8_scales(model),
+                "loss": log["train_loss"],
+                "params": [p.detach().clone() for p in model.parameters()]}
         torch.save(saved, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_gloo_processes_end_with_identical_fp8_scales(tmp_path):
+def test_two_gloo_processes_keep_the_same_fp8_scales(tmp_path):
     world, deadline = 2, time.monotonic() + 240
     context = mp.start_processes(_dp_worker, args=(world, str(tmp_path / "store"), str(tmp_path)),
                                  nprocs=world, join=False, start_method="spawn")
@@ -228,15 +205,11 @@ def test_two_gloo_processes_end_with_identical_fp8_scales(tmp_path):
                 p.kill()
                 p.join()
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(world))
-    reduced0, reduced1 = r0["reduced"], r1["reduced"]
-    assert torch.equal(reduced0["scales"], reduced1["scales"])
-    for a, b in zip(reduced0["histories"], reduced1["histories"]):
-        assert torch.equal(a, b)
-    assert reduced0["says_identical"] and reduced1["says_identical"]
-    assert reduced0["loss"] == reduced1["loss"]         # the loss is averaged over the ranks
-    for a, b in zip(reduced0["params"], reduced1["params"]):
-        assert torch.equal(a, b)                        # DDP kept the replicas in step
-    # The control: each rank sees its own batches, so without the reduction the
+    assert r0["reduced"]["scales"].numel() > 0
+    assert torch.equal(r0["reduced"]["scales"], r1["reduced"]["scales"])
+    assert r0["reduced"]["loss"] == r1["reduced"]["loss"]     # the mean over the ranks
+    for a, b in zip(r0["reduced"]["params"], r1["reduced"]["params"]):
+        assert torch.equal(a, b)                              # DDP kept the replicas in step
+    # The control: each rank trains on its own batches, so without the reduction the
     # amaxes, and hence the scales, differ between the ranks.
     assert not torch.equal(r0["local"]["scales"], r1["local"]["scales"])
-    assert not (r0["local"]["says_identical"] or r1["local"]["says_identical"])

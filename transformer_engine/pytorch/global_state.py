@@ -13,24 +13,26 @@ __all__ = ["GlobalStateSnapshot", "snapshot", "clean"]
 
 
 class GlobalStateSnapshot(NamedTuple):
-    """The calling thread's FP8 autocast state and recompute position, the
-    process-wide module-mode hook users and kernel configuration (compare with ``==``;
-    the autocast state is compared by value, checkpoint frames by identity)."""
+    """The calling thread's FP8 autocast state and recompute position, and, process-wide,
+    the module-mode hook users, the checkpoint frames alive (call ``gc.collect()``
+    first to drop unreachable graphs) and the kernel configuration (compare with ``==``;
+    the autocast state is compared by value, frames by identity)."""
 
     autocast: _AutocastState
     recompute: recompute.RecomputePosition
     mode_hook_users: int
+    live_frames: int
     kernels: KernelConfig
 
 
 def snapshot() -> GlobalStateSnapshot:
     return GlobalStateSnapshot(FP8GlobalStateManager.get_fp8_autocast_state(),
                                recompute.position(), recompute.mode_hook_users(),
-                               get_kernel_config())
+                               len(recompute.live_frames()), get_kernel_config())
 
 
 def clean() -> GlobalStateSnapshot:
     """The state outside any autocast and checkpoint call, with the kernel
     configuration the environment gives."""
-    return GlobalStateSnapshot(_AutocastState(), recompute.RecomputePosition(), 0,
+    return GlobalStateSnapshot(_AutocastState(), recompute.RecomputePosition(), 0, 0,
                                KernelConfig.from_environment())
