@@ -176,13 +176,23 @@ CLEAN = StateRecord(region=False, phase=False, frames=(), training_under_no_grad
                     autocast=_AutocastState(), mode_hook_users=0)
 
 
-def global_state_is_clean() -> bool:
+def global_state_is_clean(frames_allowed: int = 0) -> bool:
     """Every piece of global FP8 and recompute state is as outside any autocast and
-    checkpoint call (what conftest's autouse fixture checks around each test)."""
-    if te_global_state.snapshot() == te_global_state.clean():
+    checkpoint call, with at most ``frames_allowed`` checkpoint frames alive (what
+    conftest's autouse fixture checks around each test)."""
+    def clean() -> bool:
+        found = te_global_state.snapshot()
+        return (found._replace(live_frames=0) == te_global_state.clean()
+                and found.live_frames <= frames_allowed)
+    if clean():
         return True
     gc.collect()           # a dropped graph in a reference cycle still holds its frame
-    return te_global_state.snapshot() == te_global_state.clean()
+    return clean()
+
+
+def live_frame_count() -> int:
+    gc.collect()
+    return te_global_state.snapshot().live_frames
 
 
 def stash_count() -> int:

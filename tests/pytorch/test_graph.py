@@ -11,7 +11,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from helpers import RECIPE, REENTRANT, assert_runs_equal, capture, cuda_fp8, te_modules
+from helpers import RECIPE, assert_runs_equal, capture, cuda_fp8, te_modules
 
 RECIPES = [pytest.param(RECIPE, id="delayed"), pytest.param(Float8CurrentScaling(), id="current")]
 STEPS = 5
@@ -159,16 +159,28 @@ class CheckpointedBlock(torch.nn.Module):
 
 
 @cuda_fp8
-@pytest.mark.parametrize("use_reentrant", REENTRANT)
-def test_checkpoint_inside_a_graphed_callable(use_reentrant):
+def test_checkpoint_inside_a_graphed_callable():
+    """Non-reentrant te.checkpoint with the FP8 autocast inside: the recompute is
+    captured in the backward graph, and the graphed run equals the eager one."""
     torch.manual_seed(3)
-    model = CheckpointedBlock(use_reentrant)
+    model = CheckpointedBlock(use_reentrant=False)
     eager_model = copy.deepcopy(model)
     shape = (32, 64)
     ref = _train(eager_model, shape, lambda m, x: m(x))
     te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),))
     got = _train(model, shape, lambda m, x: m(x))
     assert_runs_equal(ref, got)
+
+
+@cuda_fp8
+def test_reentrant_checkpoint_inside_a_graphed_callable_is_refused():
+    """The reentrant recompute runs a nested backward, which the captured
+    torch.autograd.grad pass cannot run: a clear error at capture time."""
+    model = CheckpointedBlock(use_reentrant=True)
+    with pytest.raises(RuntimeError, match="capturing the backward of callable 0 failed: "
+                                           "te.checkpoint.use_reentrant=True. does not work "
+                                           "with torch.autograd.grad"):
+        te.make_graphed_callables(model, (_inputs((32, 64), 0).requires_grad_(),))
 
 
 @cuda_fp8
