@@ -17,7 +17,11 @@ NOTE [Graphed FP8 state]
     the graphs read those tensors), so the first replay starts where an eager run
     would. A graphed callable runs its graphs only in a training forward (grad
     enabled, module in training mode); otherwise it runs eagerly under the same FP8
-    setting.
+    setting. ``te.checkpoint(use_reentrant=False)`` inside a graphed callable has its
+    recompute captured in the backward graph; the reentrant checkpoint cannot be
+    captured (its recompute runs a nested backward, which ``torch.autograd.grad``
+    refuses), and dropout of TE modules inside a graphed checkpointed region is refused
+    (its recompute could not replay the masks: rng.py).
 """
 
 from __future__ import annotations
