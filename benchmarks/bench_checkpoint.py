@@ -70,7 +70,7 @@ def no_fp8_recompute_bookkeeping():
 
     def get_old(cls, fp8_meta):
         return types.SimpleNamespace(scaling_fwd=fp8_meta["scaling_fwd"],
-                                     session=fp8_meta.get("_bench_session"))
+                                     session=fp8_meta.get("_bench_session"), weights={})
 
     def restore(cls, fp8_meta):
         pass

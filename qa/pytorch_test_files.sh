@@ -14,6 +14,7 @@ TESTS=(
     tests/pytorch/test_checkpoint_saved_tensors.py
     tests/pytorch/test_checkpoint_callables.py
     tests/pytorch/test_checkpoint_api.py
+    tests/pytorch/test_weight_cache.py
     tests/pytorch/test_threads.py
     tests/pytorch/test_backward_update.py
     tests/pytorch/test_non_finite_amax.py

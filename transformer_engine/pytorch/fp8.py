@@ -130,11 +130,13 @@ class FP8GlobalStateManager:
 
     # ---- recompute hooks (NOTE [Recompute stashes] in recompute.py) ------------
     @classmethod
-    def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict, session=None) -> None:
+    def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict,
+                                                    session=None) -> RecomputeStash:
         """Phase 1: stash this module's forward scale and amax history into every
-        checkpoint call that is recording."""
-        entry = RecomputeStash(ScalingSnapshot(fp8_meta["scaling_fwd"]), session)
+        checkpoint call that is recording; returns the stash."""
+        entry = RecomputeStash(ScalingSnapshot(fp8_meta["scaling_fwd"]), session, {})
         fp8_meta["global_fp8_buffer_pos_fwd_recompute"] = recompute.stash(fp8_meta, entry)
+        return entry
 
     @classmethod
     def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict) -> RecomputeStash:

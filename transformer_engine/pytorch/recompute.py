@@ -68,11 +68,13 @@ class RecomputeStateError(RuntimeError):
 
 class RecomputeStash(NamedTuple):
     """What one FP8 module call stashed in phase 1 for its recompute: its forward
-    scaling state as phase 1 saw it (copied on write), and the autocast session the
-    call belonged to (None outside a training forward)."""
+    scaling state as phase 1 saw it (copied on write), the autocast session the call
+    belonged to (None outside a training forward), and the FP8 weights it used, by
+    GEMM (filled during the call; the recompute uses these, not a later cache)."""
 
     snapshot: ScalingSnapshot
     session: Any
+    weights: dict
 
     @property
     def scaling_fwd(self) -> ScalingState:

@@ -274,7 +274,7 @@ class TransformerLayer(torch.nn.Module):
         ``encoder_output``, ``enc_dec_attn_mask``, ``enc_dec_attn_mask_type`` and
         ``enc_dec_window_size`` the cross attention's (``layer_type="decoder"``).
         ``checkpoint_core_attention`` recomputes the attention cores during backward.
-        ``is_first_microbatch`` goes to every GEMM module (not used yet).
+        ``is_first_microbatch`` goes to every GEMM module (FP8 weight caching).
         ``inference_params`` (KV cache) is not implemented.
         """
         api = "te.TransformerLayer"

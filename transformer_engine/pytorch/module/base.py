@@ -52,9 +52,9 @@ class ForwardPlan:
     backward asks for (a delayed-scaling FP8 training forward, or its recompute), else
     None (NOTE [Delayed-scaling update order] in amax_update.py).
     ``is_first_microbatch``: the value the caller passed to the module's forward
-    (None, True or False). Not used yet: it is the one place where caching the FP8
-    weights across the micro-batches of a step will read it (TE casts the weights
-    when it is None or True and reuses that cast when it is False).
+    (None, True or False; NOTE [FP8 weight cache] in linear.py). ``stash``: the
+    recompute stash of this call (phase 1 fills its FP8 weights, the recompute reads
+    them), else None. ``recomputing``: this call is a recompute.
     """
 
     fp8: bool
@@ -62,6 +62,8 @@ class ForwardPlan:
     record_amax: bool
     session: Any = None
     is_first_microbatch: Optional[bool] = None
+    stash: Any = None
+    recomputing: bool = False
 
     @property
     def delayed(self) -> bool:
@@ -127,8 +129,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
 
         Phase 1 of a checkpoint stashes the forward state; the recompute swaps the
         stash in for the duration of the forward and puts the live state back after.
-        ``is_first_microbatch`` is checked and handed on in the plan (not used yet,
-        see `ForwardPlan`). Yields a `ForwardPlan`.
+        ``is_first_microbatch`` is checked and handed on in the plan (NOTE [FP8 weight
+        cache] in linear.py). Yields a `ForwardPlan`.
         """
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
@@ -148,8 +150,10 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         if distributed.in_fp8_activation_recompute_phase():
             if fp8 and plan.delayed:
                 entry = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)
-                plan.session = entry.session
+                plan.session, plan.stash, plan.recomputing = entry.session, entry, True
                 swapped = True
+            else:
+                plan.recomputing = True
         elif plan.delayed:
             if recompute.is_training_forward():
                 plan.record_amax = True
@@ -157,7 +161,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                 if fp8:
                     plan.session = FP8GlobalStateManager.current_session()
             if distributed.is_fp8_activation_recompute_enabled():
-                FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
+                plan.stash = FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
                     self.fp8_meta, plan.session)
         try:
             yield plan

@@ -257,8 +257,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         return ln_out.requires_grad or any(p is not None and p.requires_grad for p in params)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        """The MLP on ``inp``; ``is_first_microbatch`` accepted (not used yet, see
-        `ForwardPlan`)."""
+        """The MLP on ``inp``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight cache]
+        in linear.py)."""
         check_input("te.LayerNormMLP", inp, self.hidden_size)
         ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
                            self.normalization, self.eps, self.zero_centered_gamma)

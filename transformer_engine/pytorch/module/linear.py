@@ -42,6 +42,42 @@ def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dt
     return quantize.cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
 
 
+def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, index: int,
+                gemm: int, dtype: torch.dtype, transpose: bool):
+    """The FP8 weight (and its transpose) of GEMM ``gemm`` for this call.
+
+    NOTE [FP8 weight cache]
+        As in TE, ``is_first_microbatch=True`` casts the weight and keeps the cast in
+        the module; ``False`` reuses that cast (the weights do not change between the
+        micro-batches of a step), recording no amax for it; ``None`` casts every time
+        and keeps nothing. A recompute uses the FP8 weights its own phase 1 used (held
+        in its stash), never the cache, which a later first micro-batch may have
+        refreshed; it writes no cache either. Current scaling needs no stash: its cast
+        is a function of the weight's values, which the recompute sees unchanged.
+    """
+    if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
+        return _with_transpose(plan.stash.weights[gemm], transpose)
+    cache = fp8_meta.setdefault("fp8_weight_cache", {})
+    found = cache.get(gemm) if plan.is_first_microbatch is False else None
+    if found is None:
+        found = _cast(weight, plan, state, index, dtype, plan.record_amax,
+                      transpose=transpose)
+    found = _with_transpose(found, transpose)
+    if plan.is_first_microbatch is not None and not plan.recomputing:
+        cache[gemm] = found
+    if plan.stash is not None and not plan.recomputing:
+        plan.stash.weights[gemm] = found
+    return found
+
+
+def _with_transpose(w, transpose: bool):
+    """``(w_fp8, w_fp8^T)`` with the transpose made from the FP8 data if it is missing
+    (a cast made without one, e.g. under no_grad): the very same FP8 values."""
+    if transpose and w[1] is None:
+        return w[0], w[0].t_contiguous()
+    return w
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 forward, dgrad and wgrad GEMMs.
 
@@ -62,8 +98,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         with no_autocast(x.device.type):
             x_fp8, x_t = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
                                transpose=need_wgrad)
-            w_fp8, w_t = _cast(weight, plan, state, i + 1, fmt.dtype_fwd, plan.record_amax,
-                               transpose=need_dgrad)
+            w_fp8, w_t = _fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
+                                     fmt.dtype_fwd, transpose=need_dgrad)
             y = quantize.fp8_gemm_unchecked(x_fp8, w_fp8, out_dtype, bias=bias,
                                             use_fast_accum=True)
         ctx.save_for_backward(x_t.data if x_t is not None else None, x_fp8.scale_inv,
@@ -277,8 +313,8 @@ class Linear(TransformerEngineBaseModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
-        """``inp W^T + b``; ``is_first_microbatch`` as in TE (accepted, not used yet:
-        see `ForwardPlan`). ``fp8_output`` / ``fp8_grad`` (FP8 tensors out of the
+        """``inp W^T + b``; ``is_first_microbatch`` as in TE (FP8 weight caching across
+        micro-batches, NOTE [FP8 weight cache]). ``fp8_output`` / ``fp8_grad`` (FP8 tensors out of the
         module) are not implemented."""
         api = "te.Linear"
         reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
