@@ -208,7 +208,7 @@ def test_non_finite_input_with_a_callable_amax_algo_keeps_the_scale():
 def _enter(cm_factory):
     def run():
         with cm_factory():
-            pass
+            return None
     return run
 
 

@@ -107,7 +107,7 @@ def test_unimplemented_recipes_construct_and_refuse_to_run(cls):
         with te.autocast(recipe=recipe):
             raise AssertionError("the autocast must refuse the recipe")
     with te.autocast(enabled=False, recipe=recipe):     # FP8 off: nothing runs it
-        pass
+        assert not te.FP8GlobalStateManager.is_fp8_enabled()
 
 
 @pytest.mark.parametrize("recipe, per_tensor", [(DelayedScaling(), True),

@@ -14,7 +14,7 @@ SWAP_KEY = "updated_fp8_state_fwd"
 
 
 class GemmFailure(Exception):
-    pass
+    """A failure injected into the recompute's GEMM."""
 
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
