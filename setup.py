@@ -23,8 +23,9 @@ setup(
     # torch is not pinned here (the GPU machine has 2.11); CI pins torch==2.13.0 itself.
     install_requires=["torch>=2.11"],
     # tqdm: the progress bar of examples/pytorch/train_gpt.py (whose tests need it too);
-    # accelerate: the HF Accelerate client test
+    # accelerate: the HF Accelerate client test; megatron-core: the Megatron import test
+    # (its only requirements are torch>=2.6, numpy and packaging: no CUDA build of torch)
     extras_require={"test": ["pytest>=7", "numpy", "ruff", "packaging", "accelerate==1.16.0",
-                             "tqdm==4.70.1"],
+                             "tqdm==4.70.1", "megatron-core==0.16.1"],
                     "plot": ["matplotlib", "tqdm==4.70.1"]},
 )

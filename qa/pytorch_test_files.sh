@@ -8,6 +8,7 @@ TESTS=(
     tests/pytorch/test_quantize.py
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
+    tests/pytorch/test_grouped_linear.py
     tests/pytorch/test_fp8_activation_recompute.py
     tests/pytorch/test_checkpoint_robustness.py
     tests/pytorch/test_checkpoint_replay.py
@@ -32,6 +33,7 @@ TESTS=(
     tests/pytorch/test_train_gpt.py
     tests/pytorch/test_package_identity.py
     tests/pytorch/test_accelerate.py
+    tests/pytorch/test_megatron_import.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py

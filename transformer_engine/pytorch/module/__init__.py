@@ -1,10 +1,11 @@
 """TE modules."""
 
 from .base import TransformerEngineBaseModule
+from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 
-__all__ = ["TransformerEngineBaseModule", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
-           "LayerNormMLP"]
+__all__ = ["TransformerEngineBaseModule", "GroupedLinear", "Linear", "LayerNorm", "RMSNorm",
+           "LayerNormLinear", "LayerNormMLP"]

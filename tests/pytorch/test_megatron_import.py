@@ -1,0 +1,116 @@
+"""Megatron Core 0.16.1 against this package: it imports, builds its TE layer spec and
+runs a TE-spec TransformerLayer on the CPU; the TE names it only references (fusible
+operations, fused router kernels, quantized tensors) refuse to be used."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import ops, router
+from transformer_engine.pytorch.tensor import QuantizedTensor
+
+needs_megatron = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None
+    or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install --no-deps megatron-core==0.16.1)")
+
+OPS = ["FusibleOperation", "Sequential", "BasicLinear", "Bias", "GELU", "GEGLU", "ReLU", "ReGLU",
+       "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce", "ReduceScatter"]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_fusible_operations_refuse_construction(name):
+    cls = getattr(te.ops, name)
+    assert cls is getattr(ops, name) and issubclass(cls, torch.nn.Module)
+    with pytest.raises(NotImplementedError,
+                       match=rf"te\.ops\.{name}: the fusible-operations API is not implemented"):
+        cls(16)
+
+
+@pytest.mark.parametrize("name, args", [
+    ("fused_topk_with_score_function", (None, 2, False, None, None, None, "softmax", None)),
+    ("fused_compute_score_for_moe_aux_loss", (None, 2, "softmax")),
+    ("fused_moe_aux_loss", (None, None, 8, 4, 2, 0.01)),
+], ids=["topk", "aux-loss-scores", "aux-loss"])
+def test_fused_router_kernels_refuse(name, args):
+    with pytest.raises(NotImplementedError, match=rf"router\.{name}: the fused MoE router kernels"):
+        getattr(router, name)(*args)
+
+
+def test_no_tensor_is_a_quantized_tensor():
+    layer = te.LayerNormMLP(32, 64, device="cpu")
+    assert issubclass(QuantizedTensor, torch.Tensor)
+    assert not any(isinstance(p, QuantizedTensor) for p in layer.parameters())
+    with pytest.raises(NotImplementedError, match=r"QuantizedTensor: quantized \(FP8\) tensors"):
+        QuantizedTensor(torch.zeros(2))
+
+
+@needs_megatron
+def test_megatron_core_imports_with_te():
+    import megatron.core  # noqa: F401
+    from megatron.core import fp8_utils
+    from megatron.core.extensions import transformer_engine as mte
+
+    assert mte.HAVE_TE and issubclass(mte.TEGroupedLinear, te.GroupedLinear)
+    assert issubclass(mte.TELayerNormColumnParallelLinear, te.LayerNormLinear)
+    assert mte.fused_moe_aux_loss is router.fused_moe_aux_loss
+    assert fp8_utils.FP8_TENSOR_CLASS is QuantizedTensor
+    assert not fp8_utils.is_float8tensor(torch.nn.Parameter(torch.zeros(2)))
+
+
+@needs_megatron
+def test_gpt_layer_spec_uses_te_modules():
+    from megatron.core.extensions import transformer_engine as mte
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    attention = spec.submodules.self_attention.submodules
+    assert attention.linear_qkv is mte.TELayerNormColumnParallelLinear
+    assert attention.core_attention is mte.TEDotProductAttention
+    assert spec.submodules.mlp.submodules.linear_fc2 is mte.TERowParallelLinear
+
+
+@pytest.fixture
+def single_process_gloo(tmp_path):
+    """A one-rank gloo group and Megatron's parallel state over it, torn down after."""
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@needs_megatron
+def test_te_spec_transformer_layer_runs_on_cpu(single_process_gloo):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                               use_cpu_initialization=True, params_dtype=torch.float32,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config,
+                         layer_number=1)
+    te_layers = [m for m in layer.modules() if isinstance(m, te.TransformerEngineBaseModule)]
+    assert len(te_layers) == 4          # qkv, proj, fc1, fc2
+    x = torch.randn(8, 2, 64, requires_grad=True)      # [sequence, batch, hidden]
+    out, context = layer(x, attention_mask=None)
+    assert out.shape == x.shape and context is None and torch.isfinite(out).all()
+    out.pow(2).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+    # causal: the first position's output does not depend on later positions
+    x2 = x.detach().clone()
+    x2[1:] += 1.0
+    with torch.no_grad():
+        out2, _ = layer(x2, attention_mask=None)
+    assert torch.equal(out2[0], out.detach()[0]) and not torch.equal(out2[1], out.detach()[1])
