@@ -126,3 +126,19 @@ def test_recipes_are_immutable():
     with pytest.raises(AttributeError, match="cannot assign to field 'margin'"):
         recipe.margin = 1
     assert dataclasses.replace(recipe, margin=1).margin == 1
+
+
+def test_delayed_scaling_takes_megatrons_arguments():
+    """Megatron Core's TEDelayedScaling passes override_linear_precision and its module
+    arguments (params_dtype, device) to the recipe: accepted; a GEMM in high precision
+    (any True) is refused."""
+    recipe = DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_compute_algo="max",
+                            amax_history_len=16, override_linear_precision=(False, False, False),
+                            params_dtype=torch.bfloat16, device="cpu", fp8_dpa=False,
+                            fp8_mha=False)
+    assert recipe == DelayedScaling(amax_history_len=16)
+    with pytest.raises(NotImplementedError, match=r"override_linear_precision=\(False, False, "
+                                                  r"True\)"):
+        DelayedScaling(override_linear_precision=(False, False, True))
+    with pytest.raises(TypeError, match="override_linear_precision must be a tuple of three"):
+        DelayedScaling(override_linear_precision=[False, False, False])

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from dataclasses import InitVar, dataclass
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -141,19 +141,36 @@ class DelayedScaling(Recipe):
         keeps the old scale).
     reduce_amax : bool, default True
         All-reduce amaxes (MAX) over the FP8 group before each update.
+    override_linear_precision : (bool, bool, bool), default (False, False, False)
+        TE's switch to run the forward, dgrad or wgrad GEMM in high precision; only
+        all-False is implemented (a True raises NotImplementedError).
+    params_dtype, device : accepted and unused
+        Megatron Core passes its module arguments to the recipe too; a recipe has no
+        dtype or device.
     """
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: Union[str, Callable] = "max"
+    override_linear_precision: Tuple[bool, bool, bool] = (False, False, False)
     scaling_factor_compute_algo: Optional[Callable] = None
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    params_dtype: InitVar[Any] = None
+    device: InitVar[Any] = None
 
-    def __post_init__(self):
+    def __post_init__(self, params_dtype=None, device=None):
         name = "DelayedScaling"
+        olp = self.override_linear_precision
+        if not (isinstance(olp, tuple) and len(olp) == 3
+                and all(isinstance(v, bool) for v in olp)):
+            raise TypeError(f"{name}: override_linear_precision must be a tuple of three bools "
+                            f"(forward, dgrad, wgrad), got {olp!r}")
+        if any(olp):
+            raise NotImplementedError(f"{name}: override_linear_precision={olp} (a GEMM in high "
+                                      "precision inside FP8) is not implemented")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int):
             raise TypeError(f"{name}: margin must be an int, got {self.margin!r}")
         if self.margin < 0:
