@@ -50,9 +50,11 @@ def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, 
         As in TE, ``is_first_microbatch=True`` casts the weight and keeps the cast in
         the module; ``False`` reuses that cast (the weights do not change between the
         micro-batches of a step), recording no amax for it; ``None`` casts every time
-        and keeps nothing. A recompute uses the FP8 weights its own phase 1 used (held
-        in its stash), never the cache, which a later first micro-batch may have
-        refreshed; it writes no cache either. Current scaling needs no stash: its cast
+        and keeps nothing. With a cache in use, a recompute uses the FP8 weights its own
+        phase 1 used (held in its stash), never the cache, which a later first
+        micro-batch may have refreshed; it writes no cache either. Without one, the
+        recompute casts the weight again with the stashed scale, which gives the same
+        FP8 values, so phase 1 keeps no FP8 weight alive for it. Current scaling needs no stash: its cast
         is a function of the weight's values, which the recompute sees unchanged.
     """
     if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
@@ -65,8 +67,8 @@ def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, 
     found = _with_transpose(found, transpose)
     if plan.is_first_microbatch is not None and not plan.recomputing:
         cache[gemm] = found
-    if plan.stash is not None and not plan.recomputing:
-        plan.stash.weights[gemm] = found
+        if plan.stash is not None:      # without a cache the recompute casts again, alike
+            plan.stash.weights[gemm] = found
     return found
 
 
