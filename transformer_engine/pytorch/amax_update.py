@@ -25,12 +25,12 @@ NOTE [Non-finite amaxes]
     A NaN or infinite amax (from a NaN or inf in an input, a weight or a gradient)
     never enters the history: at the update, such a tensor keeps its scale, its live
     slot enters the history as 0 (no observation), and the event is counted per
-    device (`non_finite_amax_count`); a warning is issued once (again after
-    `reset_non_finite_amax_count`). The next
-    finite amax updates as usual. Current scaling counts non-finite amaxes the same
-    way (its cast then uses scale 1). The counters are device tensors, so counting
-    needs no host synchronization; on CUDA the warning comes at a later update, once a
-    copy of the counter has reached the host.
+    device (`non_finite_amax_count`). The next finite amax updates as usual. Current
+    scaling counts non-finite amaxes the same way (its cast then uses scale 1). The
+    counters are device tensors, so counting needs no host synchronization; the
+    warning (once, again after `reset_non_finite_amax_count`) is checked after each
+    update, not on the cast path, and on CUDA it comes at a later update, once a copy
+    of the counter has reached the host.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ def update_sessions(sessions: Iterable[AutocastSession], forward: bool) -> None:
             target.metas.update(g.metas)
     for g in merged.values():
         _update_states(list(g.metas.values()), g.recipe, g.group, forward)
+    _NON_FINITE.warn_once_if_seen()
 
 
 def _group_size(group) -> int:
@@ -158,7 +159,6 @@ def _update_states(metas: List[dict], recipe: DelayedScaling, group, forward: bo
                                          recipe.amax_compute_algo, non_finite=counter)
     else:
         _custom_update(histories, scales, scale_invs, max_value, recipe, counter)
-    _NON_FINITE.maybe_warn(counter)
 
 
 def _custom_update(histories, scales, scale_invs, max_value: float, recipe: DelayedScaling,
@@ -245,14 +245,15 @@ class collect_backward_updates:
 # ---- non-finite amaxes (NOTE [Non-finite amaxes]) ------------------------------------------
 
 class _NonFiniteCounters:
-    """Per-device counts of non-finite amaxes, and the warn-once logic."""
+    """Counts of non-finite amaxes, one device tensor per (device, thread) so that
+    threads never add into the same tensor, and the warn-once logic."""
 
     def __init__(self):
-        # one counter per (device, thread): threads never add into the same tensor
         self.counters: Dict[Tuple[torch.device, int], torch.Tensor] = {}
         self.lock = threading.Lock()
         self.warned = False
-        self.in_flight: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, Any]] = {}
+        # CUDA counters: a pinned host copy and the event that says it has landed
+        self.copies: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, Any]] = {}
 
     def counter(self, device: torch.device) -> torch.Tensor:
         key = (device, threading.get_ident())
@@ -263,36 +264,37 @@ class _NonFiniteCounters:
                     key, torch.zeros((), dtype=torch.int32, device=device))
         return found
 
-    def maybe_warn(self, counter: torch.Tensor) -> None:
+    def warn_once_if_seen(self) -> None:
+        """Called after each update (not per cast): warn once if a counter is non-zero.
+        A CUDA counter is read from a host copy made at the previous call, once its
+        event has completed, so this never waits for the GPU."""
         if self.warned:
             return
-        if counter.device.type != "cuda":
-            if counter.item() > 0:
-                self._warn()
-            return
-        if torch.cuda.is_current_stream_capturing():
-            return
-        # One host copy in flight per counter, read once it has landed: no sync.
-        device = (counter.device, threading.get_ident())
-        flight = self.in_flight.pop(device, None)
-        if flight is None:
-            host = torch.empty((), dtype=torch.int32, pin_memory=True)
-            host.copy_(counter, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.in_flight[device] = (host, event)
-        elif not flight[1].query():
-            self.in_flight[device] = flight
-        elif flight[0].item() > 0:
-            self._warn()
+        for key, counter in list(self.counters.items()):
+            if self._seen(key, counter):
+                self.warned = True
+                warnings.warn("te.autocast: a NaN or infinite amax was seen (an input, "
+                              "weight or gradient held NaN/inf); the affected FP8 scales were "
+                              "kept for that step and the value kept out of the amax history. "
+                              "FP8GlobalStateManager.get_non_finite_amax_count() counts such "
+                              "events.", RuntimeWarning, stacklevel=2)
+                return
 
-    def _warn(self) -> None:
-        self.warned = True
-        warnings.warn("te.autocast: a NaN or infinite amax was seen (an input, weight or "
-                      "gradient held NaN/inf); the affected FP8 scales were kept for that "
-                      "step and the value kept out of the amax history. "
-                      "FP8GlobalStateManager.get_non_finite_amax_count() counts such events.",
-                      RuntimeWarning, stacklevel=3)
+    def _seen(self, key, counter: torch.Tensor) -> bool:
+        if counter.device.type != "cuda":
+            return counter.item() > 0
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        copy = self.copies.get(key)
+        if copy is not None and not copy[1].query():
+            return False                        # the last copy is still on its way
+        seen = copy is not None and copy[0].item() > 0
+        if copy is None:
+            copy = self.copies[key] = (torch.empty((), dtype=torch.int32, pin_memory=True),
+                                       torch.cuda.Event())
+        copy[0].copy_(counter, non_blocking=True)
+        copy[1].record()
+        return seen
 
 
 _NON_FINITE = _NonFiniteCounters()
@@ -300,9 +302,7 @@ _NON_FINITE = _NonFiniteCounters()
 
 def count_non_finite(amax_value: torch.Tensor) -> None:
     """Count the non-finite entries of amaxes current scaling computed at a cast."""
-    counter = _NON_FINITE.counter(amax_value.device)
-    counter.add_((~torch.isfinite(amax_value)).sum())
-    _NON_FINITE.maybe_warn(counter)
+    _NON_FINITE.counter(amax_value.device).add_((~torch.isfinite(amax_value)).sum())
 
 
 def non_finite_amax_count() -> int:
@@ -314,5 +314,5 @@ def reset_non_finite_amax_count() -> None:
     """Zero the counters and re-arm the warning."""
     for c in list(_NON_FINITE.counters.values()):
         c.zero_()
-    _NON_FINITE.in_flight.clear()
+    _NON_FINITE.copies.clear()
     _NON_FINITE.warned = False

@@ -54,9 +54,12 @@ def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, 
         phase 1 used (held in its stash), never the cache, which a later first
         micro-batch may have refreshed; it writes no cache either. Without one, the
         recompute casts the weight again with the stashed scale, which gives the same
-        FP8 values, so phase 1 keeps no FP8 weight alive for it. Current scaling needs no stash: its cast
-        is a function of the weight's values, which the recompute sees unchanged.
+        FP8 values, so phase 1 keeps no FP8 weight alive for it. Current scaling needs
+        no stash: its cast is a function of the weight's values, which the recompute
+        sees unchanged.
     """
+    if plan.is_first_microbatch is None:        # no cache in use: the plain cast
+        return _cast(weight, plan, state, index, dtype, plan.record_amax, transpose=transpose)
     if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
         return _with_transpose(plan.stash.weights[gemm], transpose)
     cache = fp8_meta.setdefault("fp8_weight_cache", {})
@@ -65,9 +68,9 @@ def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, 
         found = _cast(weight, plan, state, index, dtype, plan.record_amax,
                       transpose=transpose)
     found = _with_transpose(found, transpose)
-    if plan.is_first_microbatch is not None and not plan.recomputing:
+    if not plan.recomputing:
         cache[gemm] = found
-        if plan.stash is not None:      # without a cache the recompute casts again, alike
+        if plan.stash is not None:
             plan.stash.weights[gemm] = found
     return found
 
