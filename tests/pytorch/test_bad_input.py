@@ -223,14 +223,14 @@ AUTOCAST_CASES = [
     _case(_enter(lambda: te.autocast(recipe=DelayedScaling)), TypeError,
           "te.autocast: the recipe must be .*got type", "autocast-recipe-class"),
     _case(_enter(lambda: te.autocast(amax_reduction_group=3)), TypeError,
-          "te.autocast: the amax reduction group must be a torch.distributed.ProcessGroup or "
+          "te.autocast: amax_reduction_group must be a torch.distributed.ProcessGroup or "
           "None, got int", "autocast-group-int"),
     _case(_enter(lambda: te.fp8_autocast(enabled=None)), TypeError,
           "te.fp8_autocast: enabled must be a bool, got None", "fp8-autocast-enabled-none"),
     _case(_enter(lambda: te.fp8_autocast(fp8_recipe=Format.HYBRID)), TypeError,
           "te.fp8_autocast: the recipe must be .*got Format", "fp8-autocast-recipe-format"),
     _case(_enter(lambda: te.fp8_autocast(fp8_group="world")), TypeError,
-          "te.fp8_autocast: the amax reduction group must be .*got str", "fp8-autocast-group-str"),
+          "te.fp8_autocast: fp8_group must be .*got str", "fp8-autocast-group-str"),
 ]
 
 
@@ -560,7 +560,7 @@ CHECKPOINT_CASES = [
           "te.checkpoint: get_rng_state_tracker must be a callable returning a "
           "CudaRNGStatesTracker, got str", "checkpoint-tracker-str"),
     _case(_ckpt(tp_group="tp"), TypeError,
-          "te.checkpoint: tp_group must be a torch.distributed.ProcessGroup, got str",
+          "te.checkpoint: tp_group must be a torch.distributed.ProcessGroup or None, got str",
           "checkpoint-tp-group-str"),
     _case(_ckpt(context_fn="contexts"), TypeError,
           "te.checkpoint: context_fn must be a callable returning two context managers, got str",

@@ -205,7 +205,7 @@ def test_calibration_records_amax_but_computes_in_high_precision():
     (lambda: te.autocast(recipe="DelayedScaling"), "te.autocast: the recipe must be"),
     (lambda: te.fp8_autocast(fp8_recipe=object()), "te.fp8_autocast: the recipe must be"),
     (lambda: te.autocast(enabled=1), "enabled must be a bool"),
-    (lambda: te.autocast(amax_reduction_group="world"), "amax reduction group must be"),
+    (lambda: te.autocast(amax_reduction_group="world"), "amax_reduction_group must be"),
 ], ids=["recipe-str", "fp8_recipe-object", "enabled-int", "group-str"])
 def test_bad_autocast_arguments(call, match):
     with pytest.raises(TypeError, match=match):

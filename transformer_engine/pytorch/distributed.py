@@ -23,6 +23,7 @@ from .checkpoint_modes import non_reentrant_checkpoint, reentrant_checkpoint
 from .fp8 import FP8GlobalStateManager
 from .recompute import RecomputeFrame, RecomputeStateError
 from .rng import CudaRNGStatesTracker
+from .utils import check_process_group
 from .tensor_parallel import (gather_split_1d_tensor, get_distributed_rank,
                               get_distributed_world_size, set_tensor_model_parallel_attributes,
                               split_tensor_into_1d_equal_chunks)
@@ -117,10 +118,7 @@ def _check_checkpoint_args(function, use_reentrant, distribute_saved_activations
         raise TypeError("te.checkpoint: context_fn must be a callable returning two context "
                         f"managers, got {type(context_fn).__name__}")
     dist = torch.distributed
-    if tp_group is not None and not (dist.is_available()
-                                     and isinstance(tp_group, dist.ProcessGroup)):
-        raise TypeError("te.checkpoint: tp_group must be a torch.distributed.ProcessGroup, "
-                        f"got {type(tp_group).__name__}")
+    check_process_group("te.checkpoint", "tp_group", tp_group)
     if distribute_saved_activations and use_reentrant:
         if not dist.is_initialized():
             raise RuntimeError("te.checkpoint: distribute_saved_activations=True needs an "

@@ -20,6 +20,7 @@ from . import amax_update, quantize, recompute
 from .amax_update import AutocastSession
 from .recompute import RecomputeStash, RecomputeStateError
 from .scaling import ScalingSnapshot, ScalingState
+from .utils import check_process_group
 
 __all__ = ["ScalingState", "FP8GlobalStateManager", "autocast", "fp8_autocast",
            "is_fp8_available", "get_default_fp8_recipe", "RecomputeStateError"]
@@ -152,7 +153,8 @@ class FP8GlobalStateManager:
         fp8_meta["scaling_fwd"] = fp8_meta.pop("updated_fp8_state_fwd")
 
 
-def _check_autocast_args(api: str, enabled, calibrating, recipe, group) -> None:
+def _check_autocast_args(api: str, enabled, calibrating, recipe, group_name: str,
+                         group) -> None:
     if not isinstance(enabled, bool):
         raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
     if not isinstance(calibrating, bool):
@@ -164,11 +166,7 @@ def _check_autocast_args(api: str, enabled, calibrating, recipe, group) -> None:
         raise NotImplementedError(
             f"{api}: {type(recipe).__name__} is not implemented by this pure-PyTorch Transformer "
             "Engine; use DelayedScaling or Float8CurrentScaling")
-    if group is not None:
-        dist = torch.distributed
-        if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-            raise TypeError(f"{api}: the amax reduction group must be a "
-                            f"torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    check_process_group(api, group_name, group)
 
 
 @contextlib.contextmanager
@@ -193,7 +191,8 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[R
     update order] in amax_update.py). An exception inside restores the state and drops
     the amaxes it recorded.
     """
-    _check_autocast_args("te.autocast", enabled, calibrating, recipe, amax_reduction_group)
+    _check_autocast_args("te.autocast", enabled, calibrating, recipe, "amax_reduction_group",
+                         amax_reduction_group)
     saved = FP8GlobalStateManager.get_fp8_autocast_state()
     recipe = recipe if recipe is not None else get_default_fp8_recipe()
     FP8GlobalStateManager.fp8_autocast_enter(enabled, calibrating, recipe, amax_reduction_group)
@@ -215,7 +214,8 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[R
 def fp8_autocast(enabled: bool = True, calibrating: bool = False,
                  fp8_recipe: Optional[Recipe] = None, fp8_group=None):
     """The older spelling of `autocast` (``fp8_recipe`` / ``fp8_group``)."""
-    _check_autocast_args("te.fp8_autocast", enabled, calibrating, fp8_recipe, fp8_group)
+    _check_autocast_args("te.fp8_autocast", enabled, calibrating, fp8_recipe, "fp8_group",
+                         fp8_group)
     return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe,
                     amax_reduction_group=fp8_group)
 

@@ -36,7 +36,7 @@ from ..common.recipe import Recipe
 from .amax_update import observe_registrations
 from .fp8 import FP8GlobalStateManager, _AutocastState, autocast
 from .scaling import ScalingState
-from .utils import flatten_nested, rebuild_nested
+from .utils import check_process_group, flatten_nested, rebuild_nested
 
 __all__ = ["make_graphed_callables"]
 
@@ -57,15 +57,13 @@ def _resolve(new_name: str, new, old_name: str, old, default):
 
 
 def _check_group(group) -> None:
+    """The amax reduction group must be one whose collectives a graph can capture."""
+    dist = torch.distributed
     if group is None:
-        dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         group = dist.group.WORLD
-    dist = torch.distributed
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(f"{_API}: amax_reduction_group must be a torch.distributed.ProcessGroup "
-                        f"or None, got {type(group).__name__}")
+    check_process_group(_API, "amax_reduction_group", group)
     backend = dist.get_backend(group)
     if backend != "nccl":
         raise RuntimeError(f"{_API}: the amax reduction group uses the {backend!r} backend, whose "

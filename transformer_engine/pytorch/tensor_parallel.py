@@ -36,13 +36,14 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .utils import check_process_group
+
 __all__ = [
     "PARALLEL_MODES", "get_distributed_world_size", "get_distributed_rank",
     "set_tensor_model_parallel_attributes", "copy_to_tensor_parallel_region",
     "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "TensorParallelConfig", "mark_sequence_parallel",
     "chunk_numel", "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
-    "check_process_group",
 ]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -187,21 +188,6 @@ def mark_sequence_parallel(*params: Optional[torch.Tensor]) -> None:
             p.sequence_parallel = True
 
 
-def check_process_group(api: str, name: str, group) -> None:
-    """None, or a ``ProcessGroup`` of an initialized ``torch.distributed``."""
-    if group is None:
-        return
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(f"{api}: {name} must be a torch.distributed.ProcessGroup or None, "
-                        f"got {type(group).__name__}")
-    if not dist.is_initialized():
-        raise ValueError(f"{api}: {name} was given but torch.distributed is not "
-                         "initialized; call torch.distributed.init_process_group() first")
-
-
-def _check_group(api: str, tp_group) -> None:
-    check_process_group(api, "tp_group", tp_group)
-
 
 class TensorParallelConfig:
     """How one TE module is split over a TP group (NOTE [Tensor-parallel layouts]).
@@ -232,7 +218,7 @@ class TensorParallelConfig:
                           "layer is not split and does no tensor-parallel communication; pass "
                           f"{split_by} to split it, or leave tp_size at 1", UserWarning,
                           stacklevel=3)
-        _check_group(api, tp_group)
+        check_process_group(api, "tp_group", tp_group)
         if tp_group is not None:
             group_size = dist.get_world_size(tp_group)
             if tp_size not in (1, group_size):
@@ -256,7 +242,7 @@ class TensorParallelConfig:
 
     def set_group(self, tp_group) -> None:
         """Attach the TP group of a module built with ``tp_size`` only."""
-        _check_group(self.api, tp_group)
+        check_process_group(self.api, "tp_group", tp_group)
         size = get_distributed_world_size(tp_group)
         if self.parallel_mode is not None and size != self.tp_size:
             raise ValueError(f"{self.api}.set_tensor_parallel_group: the module was split for "

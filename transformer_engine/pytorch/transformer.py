@@ -36,10 +36,10 @@ from .fp8 import FP8GlobalStateManager
 from .module.layernorm import LayerNorm, RMSNorm
 from .module.layernorm_mlp import LayerNormMLP
 from .rng import check_dropout_replayable
-from .tensor_parallel import check_process_group, get_distributed_world_size
+from .tensor_parallel import get_distributed_world_size
 from .utils import (check_bool, check_choice, check_dropout, check_eps, check_hidden_states_dtype,
                     check_normalization, check_optional_positive_int, check_positive_int,
-                    reject_unsupported)
+                    reject_unsupported, check_process_group)
 
 __all__ = ["TransformerLayer"]
 

@@ -12,7 +12,8 @@ import torch
 __all__ = ["flatten_nested", "rebuild_nested", "NORMALIZATIONS", "PARAM_DTYPES",
            "check_positive_int", "check_normalization", "check_eps", "check_input",
            "check_params_dtype", "check_input_dtype", "check_choice", "check_dropout",
-           "check_hidden_states_dtype", "check_bool", "check_optional_positive_int",
+           "check_hidden_states_dtype", "check_process_group", "check_bool",
+           "check_optional_positive_int",
            "reject_unsupported", "UNSUPPORTED_DOC"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -119,6 +120,19 @@ def check_hidden_states_dtype(api: str, hidden_states: torch.Tensor, weight: tor
         raise TypeError(f"{api}: hidden_states must be a floating-point tensor, got dtype "
                         f"{hidden_states.dtype}")
     check_input_dtype(api, hidden_states, weight, fp8)
+
+
+def check_process_group(api: str, name: str, group) -> None:
+    """None, or a ``ProcessGroup`` of an initialized ``torch.distributed``."""
+    if group is None:
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{api}: {name} must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(group).__name__}")
+    if not dist.is_initialized():
+        raise ValueError(f"{api}: {name} was given but torch.distributed is not "
+                         "initialized; call torch.distributed.init_process_group() first")
 
 
 # ---- nested structures ---------------------------------------------------------------------

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from .. import distributed, recompute
 from ..rng import check_dropout_replayable
-from ..tensor_parallel import check_process_group, get_distributed_world_size
+from ..tensor_parallel import get_distributed_world_size
+from ..utils import check_process_group
 from ..utils import (check_bool, check_choice, check_dropout, check_optional_positive_int,
                      check_positive_int, reject_unsupported)
 from .masks import (CoreMask, build_core_mask, canonical_mask_type, causal_kind,
