@@ -45,8 +45,9 @@ def _tensors(m):
 
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_meta_then_reset_parameters_equals_direct_build(kind):
+    where = "cuda" if torch.cuda.is_available() else "cpu"    # where meta materializes
     torch.manual_seed(42)
-    direct = BUILDERS[kind]("cpu")
+    direct = BUILDERS[kind](where)
     deferred = BUILDERS[kind]("meta")
     assert all(p.is_meta for p in deferred.parameters())
     torch.manual_seed(42)
@@ -56,7 +57,7 @@ def test_meta_then_reset_parameters_equals_direct_build(kind):
     a, b = _tensors(direct), _tensors(deferred)
     assert list(a) == list(b)
     for k in a:
-        assert b[k].device.type == "cpu" and torch.equal(a[k], b[k]), k
+        assert b[k].device.type == where and torch.equal(a[k], b[k]), k
     for (n, p), (_, q) in zip(direct.named_parameters(), deferred.named_parameters()):
         assert isinstance(q, torch.nn.Parameter) and q.requires_grad
         for attr in ("tensor_model_parallel", "partition_dim", "sequence_parallel"):

@@ -373,23 +373,37 @@ def _warm_up(graphed: List[_GraphedCallable], iters: int, allow_unused: bool) ->
     restorer = _StateRestorer()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), observe_registrations(restorer.observe):
-        for _ in range(iters):
-            for g in graphed:
-                leaves, _ = flatten_nested(g.run_forward())
-                outs = [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
-                _backward(outs, g.grad_inputs, [torch.ones_like(o) for o in outs],
-                          allow_unused, False)
-    torch.cuda.current_stream().wait_stream(stream)
-    restorer.restore()
+    try:
+        with torch.cuda.stream(stream), observe_registrations(restorer.observe):
+            for _ in range(iters):
+                for g in graphed:
+                    leaves, _ = flatten_nested(g.run_forward())
+                    outs = [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
+                    _backward(outs, g.grad_inputs, [torch.ones_like(o) for o in outs],
+                              allow_unused, False)
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+        restorer.restore()
 
 
 def _capturing(index: int, what: str, capture: Callable, *args: Any) -> None:
     try:
         capture(*args)
     except (RuntimeError, TypeError) as err:
+        _end_failed_capture()
         raise RuntimeError(
             f"{_API}: capturing the {what} of callable {index} failed: {err}. A CUDA graph "
             "cannot hold host work that waits for the GPU (.item(), .cpu(), printing a CUDA "
             "tensor, a data-dependent shape), CPU tensors, or collectives of a non-NCCL "
             "group.") from err
+
+
+def _end_failed_capture() -> None:
+    """A capture that failed part way leaves the CUDA generators marked as capturing
+    (``capture_end`` raised before releasing them), so every later random op in the
+    process would fail with "Offset increment outside graph capture". One empty
+    capture begins and ends them again (checked on an H200, torch 2.11)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
