@@ -71,6 +71,33 @@ def test_fp8_linear_close_to_high_precision(recipe):
     assert norm_rel_err(m.weight.grad, w_hp.grad) < 0.12
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
+def test_non_contiguous_input_equals_its_contiguous_copy(device, recipe):
+    """An input with transposed strides (and a 3-D one sliced along its last dim)
+    gives the bits its contiguous copy gives: output, input and weight gradients,
+    and the FP8 state after the step."""
+    def step(x):
+        torch.manual_seed(0)
+        m = te.Linear(64, 48, params_dtype=torch.bfloat16, device=device)
+        x = x.detach().requires_grad_()
+        with te.autocast(recipe=recipe):
+            y = m(x)
+        y.backward(torch.linspace(-1, 1, y.numel(), device=device).view_as(y).to(y.dtype))
+        state = [m.fp8_meta[k].amax_history.clone() for k in ("scaling_fwd", "scaling_bwd")
+                 if m.fp8_meta.get(k) is not None]
+        return y, x.grad, m.weight.grad, state
+
+    base = torch.randn(64, 32, device=device, dtype=torch.bfloat16)
+    wide = torch.randn(2, 16, 80, device=device, dtype=torch.bfloat16)
+    for strided in (base.t(), wide[..., 8:72]):
+        assert not strided.is_contiguous()
+        got, ref = step(strided), step(strided.contiguous())
+        for a, b in zip(got[:3], ref[:3]):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(got[3], ref[3]))
+
+
 def test_saves_fp8_copies_for_backward():
     m = te.Linear(32, 32, device="cpu")
     x = torch.randn(16, 32, requires_grad=True)
