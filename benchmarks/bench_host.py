@@ -8,7 +8,8 @@ One command, from the repository root (``--device cpu`` on a machine without a G
 The model is ``--modules`` (24) linear layers of ``--features`` x ``--features`` (64)
 applied in sequence to ``--tokens`` (16) tokens: the compute is negligible, so a
 step's time is host time (Python and the torch dispatcher). Parameters and input
-are bfloat16 on CUDA, float32 on the CPU. A step is: enter ``te.autocast`` (the FP8
+are bfloat16 on CUDA, float32 on the CPU; torch runs one CPU thread (``--threads``),
+so that no op waits for a second core. A step is: enter ``te.autocast`` (the FP8
 variants), forward through all layers, ``loss = y.sum()``, backward, exit the
 autocast (with its delayed-scaling update). Gradients are set to None between
 steps, outside the timed region; on CUDA the device is synchronized there too, so
@@ -201,7 +202,7 @@ def summarize(raw: dict, modules: int) -> dict:
 
 def _child_argv(args, root: str, rounds: int, path: str) -> list:
     argv = [sys.executable, os.path.abspath(__file__), "--te-root", root, "--raw-json", path,
-            "--device", args.device, "--modules", str(args.modules), "--tokens",
+            "--device", args.device, "--threads", str(args.threads), "--modules", str(args.modules), "--tokens",
             str(args.tokens), "--features", str(args.features), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--rounds", str(rounds), "--variants",
             *args.variants]
@@ -247,6 +248,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: no intra-op parallelism in the host time)")
     p.add_argument("--baseline", help="another checkout of the package to time side by side")
     p.add_argument("--te-root", help="import the package from this checkout")
     p.add_argument("--raw-json", help=argparse.SUPPRESS)
@@ -255,6 +258,7 @@ def main(argv=None):
     p.add_argument("--name", default="bench_host")
     p.add_argument("--out", default=os.path.join(_BENCH, "results"))
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     if args.raw_json:                       # a child of --baseline
         with open(args.raw_json, "w") as f:
