@@ -201,12 +201,14 @@ def summarize(raw: dict, modules: int) -> dict:
 
 
 def _child_argv(args, root: str, rounds: int, path: str) -> list:
-    argv = [sys.executable, os.path.abspath(__file__), "--te-root", root, "--raw-json", path,
-            "--device", args.device, "--threads", str(args.threads), "--modules", str(args.modules), "--tokens",
-            str(args.tokens), "--features", str(args.features), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--rounds", str(rounds), "--variants",
-            *args.variants]
-    return argv
+    options = {"--te-root": root, "--raw-json": path, "--device": args.device,
+               "--threads": args.threads, "--modules": args.modules, "--tokens": args.tokens,
+               "--features": args.features, "--steps": args.steps, "--warmup": args.warmup,
+               "--rounds": rounds}
+    argv = [sys.executable, os.path.abspath(__file__)]
+    for name, value in options.items():
+        argv += [name, str(value)]
+    return argv + ["--variants", *args.variants]
 
 
 def compare(args) -> dict:
