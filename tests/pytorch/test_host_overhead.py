@@ -40,7 +40,7 @@ def _ops_per_step(n_modules: int, recipe=None, nn_linear: bool = False) -> list:
     unless ``recipe`` is None. Gradients are None at the start of every step."""
     torch.manual_seed(0)
     make = torch.nn.Linear if nn_linear else te.Linear
-    model = torch.nn.Sequential(*[make(64, 64) for _ in range(n_modules)])
+    model = torch.nn.Sequential(*[make(64, 64, device="cpu") for _ in range(n_modules)])
     x = torch.randn(16, 64, requires_grad=True)
     leaves = [x] + list(model.parameters())
 
