@@ -19,6 +19,7 @@ TESTS=(
     tests/pytorch/test_threads.py
     tests/pytorch/test_backward_update.py
     tests/pytorch/test_non_finite_amax.py
+    tests/pytorch/test_host_overhead.py
     tests/pytorch/test_recompute_edges.py
     tests/pytorch/test_module_copies.py
     tests/pytorch/test_graph.py

@@ -85,6 +85,20 @@ def test_separate_passes_update_once_each():
     assert hist[0].eq(0).all() and hist[-2:].gt(0).all() and hist[1:-2].eq(0).all()
 
 
+def test_one_forward_backpropagated_twice_updates_once_per_pass():
+    """``backward(retain_graph=True)`` then ``backward()`` on one forward: two passes of
+    one session, so two updates (each pass asks for the session's update again, though
+    every module of the second pass asks for the session the first pass already had)."""
+    a, b = linears(2)
+    with te.autocast(recipe=RECIPE):
+        loss = b(torch.relu(a(torch.randn(16, 32)))).pow(2).mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for m in (a, b):
+        hist = _bwd(m).amax_history
+        assert hist[0].eq(0).all() and hist[-2:].gt(0).all() and hist[1:-2].eq(0).all()
+
+
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_update_waits_for_the_end_of_the_enclosing_pass(use_reentrant):
     """A module before a checkpointed region runs its backward after the region's: it

@@ -49,7 +49,7 @@ from . import quantize
 from .scaling import copy_before_write
 
 __all__ = ["AutocastSession", "update_sessions", "request_backward_update", "observe_registrations",
-           "collect_backward_updates", "count_non_finite", "non_finite_amax_count",
+           "collect_backward_updates", "non_finite_counter", "non_finite_amax_count",
            "reset_non_finite_amax_count"]
 
 
@@ -88,10 +88,13 @@ class AutocastSession:
     """What one outermost autocast collected: the modules to update, by
     (recipe, amax-reduction group)."""
 
-    __slots__ = ("groups", "__weakref__")
+    __slots__ = ("groups", "requested_in", "__weakref__")
 
     def __init__(self):
         self.groups: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
+        # the backward pass that last asked for this session's update (every FP8
+        # module's backward asks; only the first ask of a pass needs the lock)
+        self.requested_in: Optional[int] = None
 
     def register(self, fp8_meta: dict, recipe: DelayedScaling, group) -> None:
         observer = _OBSERVER.on_register
@@ -204,12 +207,15 @@ def request_backward_update(session: AutocastSession) -> None:
     if task < 0:            # not inside a backward pass: nothing to wait for
         update_sessions([session], forward=False)
         return
+    if session.requested_in == task:        # graph task ids are never reused
+        return
     with _PENDING_LOCK:
         sessions = _PENDING.get(task)
         first = sessions is None
         if first:
             sessions = _PENDING[task] = weakref.WeakValueDictionary()
         sessions.setdefault(id(session), session)
+    session.requested_in = task
     if first:
         torch.autograd.Variable._execution_engine.queue_callback(
             functools.partial(_run_backward_updates, task))
@@ -300,9 +306,10 @@ class _NonFiniteCounters:
 _NON_FINITE = _NonFiniteCounters()
 
 
-def count_non_finite(amax_value: torch.Tensor) -> None:
-    """Count the non-finite entries of amaxes current scaling computed at a cast."""
-    _NON_FINITE.counter(amax_value.device).add_((~torch.isfinite(amax_value)).sum())
+def non_finite_counter(device: torch.device) -> torch.Tensor:
+    """The calling thread's count of non-finite amaxes on ``device`` (an int32 scalar
+    tensor), into which current scaling adds at each cast (`quantize.current_scale`)."""
+    return _NON_FINITE.counter(device)
 
 
 def non_finite_amax_count() -> int:

@@ -83,9 +83,20 @@ def _fused_scale_ok(scale: torch.Tensor, x: torch.Tensor) -> bool:
     return scale.dtype == torch.float32 and scale.numel() == 1 and scale.device == x.device
 
 
+_FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in FP8_DTYPES}
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-    return torch.finfo(dtype).max
+    found = _FP8_MAX.get(dtype)
+    return found if found is not None else torch.finfo(dtype).max
+
+
+def _no_grad(x: torch.Tensor) -> torch.Tensor:
+    """``x``, detached only where autograd could record the ops about to run on it
+    (``detach`` is an op and a new tensor, on every cast of the modules, which run
+    their casts with grad mode off)."""
+    return x.detach() if x.requires_grad and torch.is_grad_enabled() else x
 
 
 class Float8Data(NamedTuple):
@@ -109,8 +120,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     kernels = _fused_kernels(x)
     if kernels is not None and x.is_contiguous():
-        return kernels.amax(x.detach())
-    return x.detach().abs().amax().to(torch.float32)
+        return kernels.amax(x)          # reads the data only: no autograd
+    return _no_grad(x).abs().amax().to(torch.float32)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Float8Data:
@@ -133,9 +144,10 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Flo
 def _cast_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Float8Data:
     """The torch ops that define the cast (NOTE [Fused casts])."""
     limit = fp8_max(dtype)
-    scaled = x.detach().to(torch.float32) * scale
+    scaled = _no_grad(x).to(torch.float32) * scale
     data = torch.clamp(scaled, -limit, limit).to(dtype)
-    return Float8Data(data, torch.reciprocal(scale.to(torch.float32)).reshape(1))
+    scale_inv = torch.reciprocal(scale.to(torch.float32))
+    return Float8Data(data, scale_inv if scale_inv.dim() == 1 else scale_inv.reshape(1))
 
 
 def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
@@ -192,19 +204,30 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
     if amax_history is not None:
         slot = amax_history[0, index] if amax_history.dim() == 2 else amax_history[index]
         torch.maximum(slot, amax(x), out=slot)
-    q = _cast_reference(x, scale.reshape(-1)[index:index + 1], dtype)
+    if scale.dim() != 1:
+        scale = scale.reshape(-1)
+    if index != 0 or scale.shape[0] != 1:       # a one-element scale is its own slice
+        scale = scale[index:index + 1]
+    q = _cast_reference(x, scale, dtype)
     return (q if data else None), (q.t_contiguous() if transpose else None)
 
 
-def current_scale(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def current_scale(amax_value: torch.Tensor, dtype: torch.dtype,
+                  non_finite: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scale of current scaling: ``fp8_max / amax`` (1 where amax is 0 or not finite),
-    clamped to the float32 range. A scalar amax gives a one-element tensor."""
+    clamped to the float32 range. A scalar amax gives a one-element tensor.
+
+    ``non_finite``: an int32 scalar counter to which the number of NaN or infinite
+    amaxes is added (amaxes are >= 0 or NaN; NOTE [Non-finite amaxes] in
+    amax_update.py)."""
     amax_value = amax_value.to(torch.float32)
+    finite = amax_value <= _FP32_MAX        # False for +inf and NaN
+    if non_finite is not None:
+        non_finite.add_(~finite if finite.dim() == 0 else (~finite).sum())
     if amax_value.dim() == 0:
         amax_value = amax_value.reshape(1)
     scale = fp8_max(dtype) / amax_value
-    ok = (amax_value > 0) & torch.isfinite(amax_value)
-    return torch.where(ok, scale, torch.ones_like(scale)).clamp(max=_FP32_MAX)
+    return torch.where((amax_value > 0) & finite, scale, 1.0).clamp(max=_FP32_MAX)
 
 
 def check_gemm_shape(api: str, m: int, k: int, n: int, what: str) -> None:
@@ -341,8 +364,10 @@ def scale_from_amax(amax_value: torch.Tensor, scale: torch.Tensor, max_value: fl
                     margin: int) -> torch.Tensor:
     """``(fp8_max / amax) / 2**margin``; keeps the old scale where amax is 0, NaN or
     inf, and clamps an infinite result to the float32 maximum."""
-    new = (max_value / amax_value) / (2.0 ** margin)
-    ok = (amax_value > 0) & torch.isfinite(amax_value)
+    new = max_value / amax_value
+    if margin != 0:                 # x / 2**0 is x: one op less in the common case
+        new = new / (2.0 ** margin)
+    ok = (amax_value > 0) & (amax_value <= _FP32_MAX)      # positive and finite
     return torch.where(ok, new, scale).clamp(max=_FP32_MAX)
 
 
@@ -385,6 +410,12 @@ def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, max_value
     non-finite live amax keeps its scale and enters the history as 0. These are the
     reference formulas; `delayed_scaling_update_` applies them in place."""
     history, finite = sanitize_live_amax(history)
+    return _update_from_clean(history, finite, scale, max_value, margin, algo)
+
+
+def _update_from_clean(history: torch.Tensor, finite: torch.Tensor, scale: torch.Tensor,
+                       max_value: float, margin: int, algo):
+    """`delayed_scaling_update` on a history `sanitize_live_amax` has cleaned."""
     amax_value = amax_from_history(history, algo)
     new_scale = torch.where(finite, scale_from_amax(amax_value, scale, max_value, margin), scale)
     return new_scale, torch.reciprocal(new_scale), roll_amax_history(history)
@@ -408,11 +439,11 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
                                         non_finite)):
         return
     sizes = [s.numel() for s in scales]
-    history = torch.cat(list(histories), dim=1)
+    history, finite = sanitize_live_amax(torch.cat(list(histories), dim=1))
     if non_finite is not None:
-        non_finite.add_((~torch.isfinite(history[0])).sum())
-    new_scale, new_scale_inv, new_history = delayed_scaling_update(
-        history, torch.cat(list(scales)), max_value, margin, algo)
+        non_finite.add_((~finite).sum())
+    new_scale, new_scale_inv, new_history = _update_from_clean(
+        history, finite, torch.cat(list(scales)), max_value, margin, algo)
     torch._foreach_copy_(
         list(scales) + list(scale_invs) + list(histories),
         list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes))

@@ -4,7 +4,7 @@ that ties a module to the FP8 autocast and to activation recompute."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -54,7 +54,8 @@ class ForwardPlan:
     ``is_first_microbatch``: the value the caller passed to the module's forward
     (None, True or False; NOTE [FP8 weight cache] in linear.py). ``stash``: the
     recompute stash of this call (phase 1 fills its FP8 weights, the recompute reads
-    them), else None. ``recomputing``: this call is a recompute.
+    them), else None. ``recomputing``: this call is a recompute. ``delayed``: the
+    recipe keeps delayed-scaling state (read on every cast, so decided once here).
     """
 
     fp8: bool
@@ -64,10 +65,10 @@ class ForwardPlan:
     is_first_microbatch: Optional[bool] = None
     stash: Any = None
     recomputing: bool = False
+    delayed: bool = field(init=False)
 
-    @property
-    def delayed(self) -> bool:
-        return self.recipe is not None and self.recipe.delayed()
+    def __post_init__(self):
+        self.delayed = self.recipe is not None and self.recipe.delayed()
 
 
 class TransformerEngineBaseModule(ParameterInitMixin):
@@ -135,8 +136,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
                             f"True or False, got {is_first_microbatch!r}")
-        fp8 = FP8GlobalStateManager.is_fp8_enabled()
-        calibrating = FP8GlobalStateManager.is_fp8_calibration() and not fp8
+        autocast = FP8GlobalStateManager.get_fp8_autocast_state()
+        fp8 = autocast.enabled
+        calibrating = autocast.calibrating and not fp8
         recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
         if calibrating and not recipe.delayed():
             recipe, calibrating = None, False
@@ -159,7 +161,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                 plan.record_amax = True
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
                 if fp8:
-                    plan.session = FP8GlobalStateManager.current_session()
+                    plan.session = autocast.session
             if distributed.is_fp8_activation_recompute_enabled():
                 plan.stash = FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
                     self.fp8_meta, plan.session)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import quantize
-from ..amax_update import count_non_finite, request_backward_update
+from ..amax_update import non_finite_counter, request_backward_update
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
@@ -36,9 +36,8 @@ def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dt
     if plan.delayed:
         return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                         state.amax_history if record else None, data, transpose)
-    amax_value = quantize.amax(x)
-    count_non_finite(amax_value)
-    scale = quantize.current_scale(amax_value, dtype)
+    scale = quantize.current_scale(quantize.amax(x), dtype,
+                                   non_finite=non_finite_counter(x.device))
     return quantize.cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
 
 
@@ -322,9 +321,10 @@ class Linear(TransformerEngineBaseModule):
         micro-batches, NOTE [FP8 weight cache]). ``fp8_output`` / ``fp8_grad`` (FP8 tensors out of the
         module) are not implemented."""
         api = "te.Linear"
-        reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
-                           fp8_grad=(fp8_grad, False),
-                           save_original_input=(self.save_original_input, False))
+        if not (fp8_output is False and fp8_grad is False and self.save_original_input is False):
+            reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
+                               fp8_grad=(fp8_grad, False),
+                               save_original_input=(self.save_original_input, False))
         if not torch.is_tensor(inp):
             raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
         with self.prepare_forward(inp, is_first_microbatch) as plan:
