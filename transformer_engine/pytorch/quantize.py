@@ -196,15 +196,27 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
     return (q if data else None), (q.t_contiguous() if transpose else None)
 
 
-def current_scale(amax_value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Scale of current scaling: ``fp8_max / amax`` (1 where amax is 0 or not finite),
-    clamped to the float32 range. A scalar amax gives a one-element tensor."""
+def current_scale(amax_value: torch.Tensor, dtype: torch.dtype, power_2_scale: bool = False,
+                  amax_epsilon: float = 0.0) -> torch.Tensor:
+    """Scale of current scaling: ``fp8_max / max(amax, amax_epsilon)`` (1 where that is
+    0 or not finite), clamped to the float32 range and, with ``power_2_scale``, rounded
+    down to a power of two (mantissa bits zeroed: the scale is a positive normal float32,
+    at least ``fp8_max / FP32_MAX``). One scale per amax (a scalar amax gives a
+    one-element tensor; block scaling passes one amax per block). These are the
+    `QParams` of Float8CurrentScaling and Float8BlockScaling."""
     amax_value = amax_value.to(torch.float32)
     if amax_value.dim() == 0:
         amax_value = amax_value.reshape(1)
-    scale = fp8_max(dtype) / amax_value
+    if amax_epsilon > 0:
+        amax_value = torch.clamp(amax_value, min=amax_epsilon)      # NaN stays NaN
+    # a tensor numerator: ``float / tensor`` is computed as ``float * (1 / tensor)``,
+    # rounded twice, which can land an ulp off the quotient
+    scale = amax_value.new_tensor(fp8_max(dtype)) / amax_value
     ok = (amax_value > 0) & torch.isfinite(amax_value)
-    return torch.where(ok, scale, torch.ones_like(scale)).clamp(max=_FP32_MAX)
+    scale = torch.where(ok, scale, torch.ones_like(scale)).clamp(max=_FP32_MAX)
+    if power_2_scale:
+        scale = torch.bitwise_and(scale.view(torch.int32), 0x7F800000).view(torch.float32)
+    return scale
 
 
 def check_gemm_shape(api: str, m: int, k: int, n: int, what: str) -> None:

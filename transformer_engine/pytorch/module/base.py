@@ -137,7 +137,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                             f"True or False, got {is_first_microbatch!r}")
         fp8 = FP8GlobalStateManager.is_fp8_enabled()
         calibrating = FP8GlobalStateManager.is_fp8_calibration() and not fp8
-        recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
+        recipe = FP8GlobalStateManager.get_checked_fp8_recipe() if (fp8 or calibrating) else None
         if calibrating and not recipe.delayed():
             recipe, calibrating = None, False
         if self.fp8 is not fp8 or self.fp8_calibration is not calibrating:
