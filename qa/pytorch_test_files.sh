@@ -3,9 +3,12 @@
 # shellcheck disable=SC2034
 TESTS=(
     tests/pytorch/test_recipe.py
+    tests/pytorch/test_recipe_fields.py
     tests/pytorch/test_bad_input.py
     tests/pytorch/test_extra_state.py
     tests/pytorch/test_quantize.py
+    tests/pytorch/test_block_scaling.py
+    tests/pytorch/test_block_scaling_modules.py
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
     tests/pytorch/test_grouped_linear.py

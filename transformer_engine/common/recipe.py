@@ -1,21 +1,35 @@
 """FP8 recipes: which FP8 formats to use and how scaling factors are chosen.
 
-Recipes are frozen dataclasses validated at construction, so a bad value fails
-where it is written, with the field named, and a recipe can be shared safely
-between modules and autocast regions.
+NOTE [Recipe validation]
+    Recipes are mutable dataclasses, as TE's are: scripts set fields after
+    construction (``recipe.margin = 1``). Every field is checked at construction and
+    again whenever ``te.autocast`` is entered with the recipe (`validated_copy`), so a
+    bad value set later fails there, with the field named. The autocast then runs on a
+    read-only copy taken at entry: its modules, its scale updates and the backward of
+    its forwards all see the values in force at entry, whatever the script changes
+    meanwhile; a change takes effect at the next ``te.autocast`` entry. The copy is kept
+    on the recipe while its values stay the same, so entering an autocast with an
+    unchanged recipe costs one comparison of its fields. Recipes compare and hash by
+    value (equal recipes share one scale update), so a recipe used as a dict key must
+    not be changed.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import InitVar, dataclass
+import os
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling",
-           "Float8BlockScaling", "NVFP4BlockScaling", "max_margin", "MAX_AMAX_HISTORY_LEN"]
+from .recipe_fields import (MMParams, QParams, ReadOnlyWhenCopied, check_bool, check_mmparams,
+                            check_qparams, validated_copy)
+
+__all__ = ["Format", "Recipe", "QParams", "MMParams", "DelayedScaling", "Float8CurrentScaling",
+           "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling", "max_margin",
+           "MAX_AMAX_HISTORY_LEN", "validated_copy"]
 
 
 class _FormatSpec(NamedTuple):
@@ -72,12 +86,9 @@ def max_margin(fp8_format: Format) -> int:
     return math.floor(math.log2(fp8_max / _FP32.max / _FP32.tiny))
 
 
-class Recipe:
-    """Base class of the FP8 recipes, with TE's kind predicates.
-
-    Recipes are immutable here (frozen dataclasses): where TE scripts assign a field
-    after construction, build a new recipe with ``dataclasses.replace(recipe, ...)``.
-    """
+class Recipe(ReadOnlyWhenCopied):
+    """Base class of the FP8 recipes, with TE's kind predicates. Fields may be set
+    after construction; ``te.autocast`` checks them again (NOTE [Recipe validation])."""
 
     def delayed(self) -> bool:
         """Whether this recipe keeps delayed-scaling state (amax history, scale)."""
@@ -105,7 +116,13 @@ class Recipe:
 
     def implemented(self) -> bool:
         """Whether this package runs this recipe's casts and GEMMs."""
-        return self.float8_per_tensor_scaling()
+        return self.float8_per_tensor_scaling() or self.float8_block_scaling()
+
+    def validate(self) -> None:
+        """Check every field; raise TypeError / ValueError naming the first bad one."""
+
+    def __post_init__(self):
+        self.validate()
 
 
 def _check_format(name: str, fp8_format) -> None:
@@ -117,7 +134,26 @@ def _check_format(name: str, fp8_format) -> None:
                          "(an E5M2 x E5M2 GEMM is not available); use Format.HYBRID or Format.E4M3")
 
 
-@dataclass(frozen=True)
+def _check_common(recipe, quant_and_gemm: bool = True) -> None:
+    """fp8_format, fp8_dpa, fp8_mha and (current and block scaling) the QParams and
+    MMParams fields. fp8_dpa / fp8_mha = True is refused when an autocast enables the
+    recipe (fp8.py), not here: TE builds such recipes."""
+    name = type(recipe).__name__
+    _check_format(name, recipe.fp8_format)
+    for flag in ("fp8_dpa", "fp8_mha"):
+        check_bool(name, flag, getattr(recipe, flag))
+    if quant_and_gemm:
+        for f in QUANT_FIELDS:
+            check_qparams(name, f + ".", getattr(recipe, f))
+        for f in GEMM_FIELDS:
+            check_mmparams(name, f + ".", getattr(recipe, f))
+
+
+QUANT_FIELDS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+GEMM_FIELDS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
+
+
+@dataclass(unsafe_hash=True)
 class DelayedScaling(Recipe):
     """Delayed scaling: each tensor is cast with a scale derived from the amaxes of
     earlier iterations (an amax history), updated once per training step.
@@ -130,6 +166,7 @@ class DelayedScaling(Recipe):
     fp8_format : Format, default Format.HYBRID
     amax_history_len : int, default 1024
         Number of past amaxes kept per tensor; in ``[1, MAX_AMAX_HISTORY_LEN]`` (65536).
+        A module's history is resized (newest amaxes kept) when this changes.
     amax_compute_algo : "max" | "most_recent" | callable, default "max"
         How the amax used for the new scale is taken from the history. A callable
         receives the history ``[amax_history_len, n]`` and returns ``[n]`` amaxes
@@ -144,6 +181,9 @@ class DelayedScaling(Recipe):
     override_linear_precision : (bool, bool, bool), default (False, False, False)
         TE's switch to run the forward, dgrad or wgrad GEMM in high precision; only
         all-False is implemented (a True raises NotImplementedError).
+    fp8_dpa, fp8_mha : bool, default False
+        FP8 attention: not implemented; True raises NotImplementedError when an
+        autocast enables the recipe.
     params_dtype, device : accepted and unused
         Megatron Core passes its module arguments to the recipe too; a recipe has no
         dtype or device.
@@ -162,6 +202,9 @@ class DelayedScaling(Recipe):
     device: InitVar[Any] = None
 
     def __post_init__(self, params_dtype=None, device=None):
+        self.validate()
+
+    def validate(self) -> None:
         name = "DelayedScaling"
         olp = self.override_linear_precision
         if not (isinstance(olp, tuple) and len(olp) == 3
@@ -175,7 +218,7 @@ class DelayedScaling(Recipe):
             raise TypeError(f"{name}: margin must be an int, got {self.margin!r}")
         if self.margin < 0:
             raise ValueError(f"{name}: margin must be >= 0, got {self.margin}")
-        _check_format(name, self.fp8_format)
+        _check_common(self, quant_and_gemm=False)
         limit = max_margin(self.fp8_format)
         if self.margin > limit:
             raise ValueError(f"{name}: margin must be <= {limit} for "
@@ -194,38 +237,126 @@ class DelayedScaling(Recipe):
                 self.scaling_factor_compute_algo):
             raise TypeError(f"{name}: scaling_factor_compute_algo must be callable or None, "
                             f"got {self.scaling_factor_compute_algo!r}")
-        if not isinstance(self.reduce_amax, bool):
-            raise TypeError(f"{name}: reduce_amax must be a bool, got {self.reduce_amax!r}")
-        if self.fp8_dpa or self.fp8_mha:
-            raise ValueError(f"{name}: fp8_dpa / fp8_mha (FP8 attention) are not implemented; "
-                             "attention runs in high precision")
+        check_bool(name, "reduce_amax", self.reduce_amax)
 
 
-@dataclass(frozen=True)
+def _no_split_accumulator() -> MMParams:
+    return MMParams(use_split_accumulator=False)
+
+
+@dataclass(unsafe_hash=True)
 class Float8CurrentScaling(Recipe):
     """Current (per-tensor, just-in-time) scaling: each cast uses
-    ``fp8_max / amax(x)`` of the tensor being cast. Stateless.
+    ``fp8_max / max(amax(x), amax_epsilon)`` of the tensor being cast. Stateless.
 
     Parameters
     ----------
     fp8_format : Format, default Format.HYBRID
+    fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad : QParams
+        How inputs, weights and output gradients are scaled (default
+        ``QParams(power_2_scale=False, amax_epsilon=0.0)``).
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad : MMParams
+        ``use_split_accumulator`` of the forward (default False), dgrad and wgrad
+        (default True) GEMMs; see `MMParams` for what it changes here.
+    fp8_dpa, fp8_mha : bool, default False
+        FP8 attention: not implemented; True raises NotImplementedError when an
+        autocast enables the recipe.
     """
 
     fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
+    fp8_gemm_fprop: MMParams = field(default_factory=_no_split_accumulator)
+    fp8_gemm_dgrad: MMParams = field(default_factory=MMParams)
+    fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
-    def __post_init__(self):
-        _check_format("Float8CurrentScaling", self.fp8_format)
+    def validate(self) -> None:
+        _check_common(self)
+
+
+def _block_qparams() -> QParams:
+    """TE's default for block scaling: power-of-2 scales, unless the environment asks
+    for plain float32 scales (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``, read at
+    construction)."""
+    fp32_scales = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+    return QParams(power_2_scale=not fp32_scales, amax_epsilon=0.0)
+
+
+_BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+# the operands of each GEMM (NOTE [GEMM vocabulary] in pytorch/quantize.py)
+_GEMM_OPERANDS = (("forward", "x_block_scaling_dim", "w_block_scaling_dim"),
+                  ("dgrad", "grad_block_scaling_dim", "w_block_scaling_dim"),
+                  ("wgrad", "grad_block_scaling_dim", "x_block_scaling_dim"))
+
+
+@dataclass(unsafe_hash=True)
+class Float8BlockScaling(Recipe):
+    """FP8 with one scale per block of 128 values (1D: 128 consecutive values of a row)
+    or 128x128 values (2D), from the block's own amax at cast time. Stateless. The
+    GEMMs are emulated exactly (NOTE [Block scaling layout] in
+    ``transformer_engine/pytorch/block_scaling.py``).
+
+    Parameters
+    ----------
+    fp8_format : Format, default Format.E4M3
+        E4M3 both ways by default (the per-block scales leave enough range for
+        gradients); HYBRID is accepted, E5M2 is not.
+    fp8_quant_fwd_inp, fp8_quant_fwd_weight, fp8_quant_bwd_grad : QParams
+        Default ``QParams(power_2_scale=True, amax_epsilon=0.0)``
+        (``power_2_scale=False`` when ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``).
+    x_block_scaling_dim, w_block_scaling_dim, grad_block_scaling_dim : 1 or 2
+        Block shape of inputs (default 1), weights (default 2) and output gradients
+        (default 1). As in TE, no GEMM may take two 2D-scaled operands.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad : MMParams
+        Default ``use_split_accumulator=True``; the emulation accumulates in float32
+        either way.
+    fp8_dpa, fp8_mha : bool, default False
+        FP8 attention: not implemented; True raises NotImplementedError when an
+        autocast enables the recipe.
+    """
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = field(default_factory=_block_qparams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=_block_qparams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=_block_qparams)
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = field(default_factory=MMParams)
+    fp8_gemm_dgrad: MMParams = field(default_factory=MMParams)
+    fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def validate(self) -> None:
+        name = "Float8BlockScaling"
+        _check_common(self)
+        for f in _BLOCK_DIM_FIELDS:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: {f} must be an int (1 or 2), got {value!r}")
+            if value not in (1, 2):
+                raise ValueError(f"{name}: {f} must be 1 (1x128 blocks) or 2 (128x128 blocks), "
+                                 f"got {value}")
+        for gemm, a, b in _GEMM_OPERANDS:
+            if getattr(self, a) == 2 and getattr(self, b) == 2:
+                raise ValueError(f"{name}: {a}=2 with {b}=2 would make the {gemm} GEMM take two "
+                                 "2D-scaled operands, which TE does not support; at most one "
+                                 "operand of each GEMM may use 128x128 blocks")
 
 
 class _UnimplementedRecipe(Recipe):
     """A recipe TE defines that this package constructs (so scripts that build it, or
     check for it, run) but does not run: ``te.autocast`` refuses it."""
 
-    def __post_init__(self):
+    def validate(self) -> None:
         _check_format(type(self).__name__, self.fp8_format)
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class MXFP8BlockScaling(_UnimplementedRecipe):
     """MXFP8: E8M0 scales per 32 consecutive values (Blackwell). Not implemented here:
     constructing it works, running it in ``te.autocast`` raises NotImplementedError."""
@@ -236,21 +367,7 @@ class MXFP8BlockScaling(_UnimplementedRecipe):
     fp8_mha: bool = False
 
 
-@dataclass(frozen=True)
-class Float8BlockScaling(_UnimplementedRecipe):
-    """FP8 with one scale per 1x128 block of activations and gradients and per 128x128
-    block of weights. Not implemented here: constructing it works, running it in
-    ``te.autocast`` raises NotImplementedError."""
-
-    fp8_format: Format = Format.E4M3
-    x_block_scaling_dim: int = 1
-    w_block_scaling_dim: int = 2
-    grad_block_scaling_dim: int = 1
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-
-
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class NVFP4BlockScaling(_UnimplementedRecipe):
     """NVFP4: FP4 values with FP8 scales per 16 values (Blackwell). Not implemented
     here: constructing it works, running it in ``te.autocast`` raises

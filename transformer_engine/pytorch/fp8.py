@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..common.recipe import DelayedScaling, Recipe
+from ..common.recipe import DelayedScaling, Recipe, validated_copy
 from . import amax_update, quantize, recompute
 from .amax_update import AutocastSession
 from .recompute import RecomputeStash, RecomputeStateError
@@ -32,7 +32,8 @@ class _AutocastState:
 
     enabled: bool = False
     calibrating: bool = False
-    recipe: Optional[Recipe] = None
+    recipe: Optional[Recipe] = None          # as passed to the autocast
+    checked_recipe: Optional[Recipe] = None  # its read-only copy (NOTE [Recipe validation])
     group: Any = None
     depth: int = 0
     session: Optional[AutocastSession] = None
@@ -77,6 +78,13 @@ class FP8GlobalStateManager:
         return recipe if recipe is not None else get_default_fp8_recipe()
 
     @classmethod
+    def get_checked_fp8_recipe(cls) -> Recipe:
+        """The read-only copy of the recipe that the running autocast took at entry, which
+        the modules run (NOTE [Recipe validation] in common/recipe.py)."""
+        checked = _THREAD.state.checked_recipe
+        return checked if checked is not None else validated_copy(get_default_fp8_recipe())
+
+    @classmethod
     def get_fp8_group(cls):
         return _THREAD.state.group
 
@@ -108,10 +116,12 @@ class FP8GlobalStateManager:
     # ---- autocast --------------------------------------------------------------
     @classmethod
     def fp8_autocast_enter(cls, enabled: bool, calibrating: bool, recipe: Recipe, group) -> None:
+        checked = validated_copy(recipe)
         s = _THREAD.state
         session = s.session if s.depth > 0 else AutocastSession()
         _THREAD.state = _AutocastState(enabled=enabled, calibrating=calibrating, recipe=recipe,
-                                       group=group, depth=s.depth + 1, session=session)
+                                       checked_recipe=checked, group=group, depth=s.depth + 1,
+                                       session=session)
 
     @classmethod
     def add_fp8_tensors_to_global_buffer(cls, fp8_meta: dict) -> None:
@@ -161,11 +171,26 @@ def _check_autocast_args(api: str, enabled, calibrating, recipe, group_name: str
         raise TypeError(f"{api}: calibrating must be a bool, got {calibrating!r}")
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"{api}: the recipe must be a transformer_engine.common.recipe.Recipe "
-                        f"(DelayedScaling, Float8CurrentScaling) or None, got {type(recipe).__name__}")
-    if recipe is not None and (enabled or calibrating) and not recipe.implemented():
-        raise NotImplementedError(
-            f"{api}: {type(recipe).__name__} is not implemented by this pure-PyTorch Transformer "
-            "Engine; use DelayedScaling or Float8CurrentScaling")
+                        f"(DelayedScaling, Float8CurrentScaling, Float8BlockScaling) or None, "
+                        f"got {type(recipe).__name__}")
+    if recipe is not None:
+        # Fields may have been set since construction (NOTE [Recipe validation]).
+        try:
+            validated_copy(recipe)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{api}: {err}") from None
+    if recipe is not None and (enabled or calibrating):
+        name = type(recipe).__name__
+        if not recipe.implemented():
+            raise NotImplementedError(
+                f"{api}: {name} is not implemented by this pure-PyTorch Transformer Engine; use "
+                "DelayedScaling, Float8CurrentScaling or Float8BlockScaling")
+        for flag in ("fp8_dpa", "fp8_mha"):
+            if getattr(recipe, flag, False):
+                raise NotImplementedError(
+                    f"{api}: {name}.{flag}=True (FP8 attention) is not implemented by this "
+                    f"pure-PyTorch Transformer Engine: attention runs in high precision; set "
+                    f"{flag}=False")
     check_process_group(api, group_name, group)
 
 
@@ -181,7 +206,9 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[R
     calibrating : bool, default False
         Record amaxes (and update scales) while running in high precision.
     recipe : Recipe, optional
-        ``DelayedScaling()`` when None.
+        ``DelayedScaling()`` when None. Its fields are checked again here and the
+        autocast runs a copy of them taken now (NOTE [Recipe validation] in
+        common/recipe.py): a field set later takes effect at the next entry.
     amax_reduction_group : torch.distributed.ProcessGroup, optional
         Group over which amaxes are all-reduced (MAX) before each update; the
         default process group when None and torch.distributed is initialized.
@@ -270,8 +297,8 @@ def check_fp8_support() -> Tuple[bool, str]:
     return is_fp8_available(return_reason=True)
 
 
-_NOT_IMPLEMENTED_RECIPES = ("this pure-PyTorch Transformer Engine implements the DelayedScaling "
-                            "and Float8CurrentScaling recipes only")
+_NOT_IMPLEMENTED_RECIPES = ("this pure-PyTorch Transformer Engine implements the DelayedScaling, "
+                            "Float8CurrentScaling and Float8BlockScaling recipes only")
 
 
 def check_mxfp8_support() -> Tuple[bool, str]:
@@ -280,8 +307,13 @@ def check_mxfp8_support() -> Tuple[bool, str]:
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
-    """``(False, reason)``: FP8 block scaling (``Float8BlockScaling``) is not implemented."""
-    return False, f"FP8 block scaling is not implemented: {_NOT_IMPLEMENTED_RECIPES}"
+    """``(available, reason)`` for ``Float8BlockScaling``: its GEMMs are an exact float32
+    emulation (NOTE [Block scaling layout] in block_scaling.py) that needs only torch's
+    FP8 dtypes, so it runs wherever `check_fp8_support` says FP8 runs, and on any CUDA
+    device too."""
+    if torch.cuda.is_available():
+        return True, ""
+    return is_fp8_available(return_reason=True, device="cpu")
 
 
 def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):

@@ -212,10 +212,15 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
     return (q if data else None), (q.t_contiguous() if transpose else None)
 
 
-def current_scale(amax_value: torch.Tensor, dtype: torch.dtype,
+def current_scale(amax_value: torch.Tensor, dtype: torch.dtype, power_2_scale: bool = False,
+                  amax_epsilon: float = 0.0,
                   non_finite: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Scale of current scaling: ``fp8_max / amax`` (1 where amax is 0 or not finite),
-    clamped to the float32 range. A scalar amax gives a one-element tensor.
+    """Scale of current scaling: ``fp8_max / max(amax, amax_epsilon)`` (1 where that is
+    0 or not finite), clamped to the float32 range and, with ``power_2_scale``, rounded
+    down to a power of two (mantissa bits zeroed: the scale is a positive normal float32,
+    at least ``fp8_max / FP32_MAX``). One scale per amax (a scalar amax gives a
+    one-element tensor; block scaling passes one amax per block). These are the
+    `QParams` of Float8CurrentScaling and Float8BlockScaling.
 
     ``non_finite``: an int32 scalar counter to which the number of NaN or infinite
     amaxes is added (amaxes are >= 0 or NaN; NOTE [Non-finite amaxes] in
@@ -226,8 +231,15 @@ def current_scale(amax_value: torch.Tensor, dtype: torch.dtype,
         non_finite.add_(~finite if finite.dim() == 0 else (~finite).sum())
     if amax_value.dim() == 0:
         amax_value = amax_value.reshape(1)
-    scale = fp8_max(dtype) / amax_value
-    return torch.where((amax_value > 0) & finite, scale, 1.0).clamp(max=_FP32_MAX)
+    if amax_epsilon > 0:
+        amax_value = torch.clamp(amax_value, min=amax_epsilon)      # NaN stays NaN
+    # a tensor numerator: ``float / tensor`` is computed as ``float * (1 / tensor)``,
+    # rounded twice, which can land an ulp off the quotient
+    scale = torch.full_like(amax_value, fp8_max(dtype)).div_(amax_value)
+    scale = torch.where((amax_value > 0) & finite, scale, 1.0).clamp(max=_FP32_MAX)
+    if power_2_scale:
+        scale = torch.bitwise_and(scale.view(torch.int32), 0x7F800000).view(torch.float32)
+    return scale
 
 
 def check_gemm_shape(api: str, m: int, k: int, n: int, what: str) -> None:

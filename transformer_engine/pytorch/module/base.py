@@ -139,7 +139,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         autocast = FP8GlobalStateManager.get_fp8_autocast_state()
         fp8 = autocast.enabled
         calibrating = autocast.calibrating and not fp8
-        recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
+        recipe = FP8GlobalStateManager.get_checked_fp8_recipe() if (fp8 or calibrating) else None
         if calibrating and not recipe.delayed():
             recipe, calibrating = None, False
         if self.fp8 is not fp8 or self.fp8_calibration is not calibrating:

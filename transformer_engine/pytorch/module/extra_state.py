@@ -8,7 +8,10 @@ NOTE [FP8 extra state payload]
 
     recipe       None (no recipe yet, or one with a callable algorithm, which cannot
                  be saved as data: the autocast's recipe is adopted at the next
-                 forward), or the recipe's fields as plain values plus ``"type"``.
+                 forward), or the recipe's fields as plain values plus ``"type"``
+                 (a `QParams` / `MMParams` field as a dict of its fields). A current-
+                 or block-scaling recipe may leave out fields (older payloads hold
+                 only ``fp8_format``): they take their defaults.
     scaling_*    None (no delayed-scaling state yet), or ``{"scale": [n],
                  "scale_inv": [n], "amax_history": [L, n]}``, float32, with ``n`` the
                  module's ``num_gemms`` times 2 (forward) or 1 (backward).
@@ -28,25 +31,33 @@ NOTE [FP8 extra state payload]
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from typing import NamedTuple, Optional
 
 import torch
 
-from ...common.recipe import MAX_AMAX_HISTORY_LEN, DelayedScaling, Float8CurrentScaling, Format
-from ...common.recipe import Recipe
+from ...common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling, Float8BlockScaling,
+                               Float8CurrentScaling, Format, MMParams, QParams, Recipe)
+from ...common.recipe import GEMM_FIELDS, QUANT_FIELDS
 from ..scaling import ScalingState
 
 __all__ = ["LoadedFP8State", "save_fp8_state", "load_fp8_state"]
 
 _TOP_KEYS = frozenset(("recipe", "scaling_fwd", "scaling_bwd"))
 _STATE_KEYS = frozenset(("scale", "scale_inv", "amax_history"))
+_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha")
+_BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
 _RECIPE_FIELDS = {
     "DelayedScaling": frozenset(("type", "margin", "fp8_format", "amax_history_len",
                                  "amax_compute_algo", "reduce_amax")),
-    "Float8CurrentScaling": frozenset(("type", "fp8_format")),
+    "Float8CurrentScaling": frozenset(("type",) + _STATELESS_FIELDS),
+    "Float8BlockScaling": frozenset(("type",) + _STATELESS_FIELDS + _BLOCK_DIM_FIELDS),
 }
+_RECIPE_CLASSES = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling,
+                   "Float8BlockScaling": Float8BlockScaling}
+_PARAMS_CLASSES = dict.fromkeys(QUANT_FIELDS, QParams) | dict.fromkeys(GEMM_FIELDS, MMParams)
 _STR_AMAX_ALGOS = ("max", "most_recent")
 _FP32_TINY = torch.finfo(torch.float32).tiny
 _ZIP_MAGIC = b"PK\x03\x04"      # torch.save writes a zip archive
@@ -76,8 +87,15 @@ def _recipe_to_dict(recipe: Optional[Recipe]):
         return {"type": "DelayedScaling", "margin": recipe.margin,
                 "fp8_format": recipe.fp8_format.name, "amax_history_len": recipe.amax_history_len,
                 "amax_compute_algo": recipe.amax_compute_algo, "reduce_amax": recipe.reduce_amax}
-    if isinstance(recipe, Float8CurrentScaling):
-        return {"type": "Float8CurrentScaling", "fp8_format": recipe.fp8_format.name}
+    if isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling)):
+        kind = type(recipe).__name__
+        data = {"type": kind}
+        for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
+            value = getattr(recipe, name)
+            if name in _PARAMS_CLASSES:
+                value = dataclasses.asdict(value)
+            data[name] = value.name if name == "fp8_format" else value
+        return data
     raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
 
 
@@ -161,10 +179,16 @@ def _check_recipe(data) -> Optional[Recipe]:
         raise InvalidPayload(f"recipe: expected None or a dict with 'type' one of "
                              f"{sorted(_RECIPE_FIELDS)}, got {_describe(data)}")
     kind = data["type"]
-    if set(data) != _RECIPE_FIELDS[kind]:
-        raise InvalidPayload(f"recipe: a {kind} has the fields {sorted(_RECIPE_FIELDS[kind])}, "
+    allowed = _RECIPE_FIELDS[kind]
+    # a stateless recipe's missing fields take their defaults (older payloads)
+    required = allowed if kind == "DelayedScaling" else {"type", "fp8_format"}
+    if not required <= set(data) <= allowed:
+        raise InvalidPayload(f"recipe: a {kind} has the fields {sorted(allowed)}, "
                              f"got {sorted(map(str, data))}")
     fields = {k: v for k, v in data.items() if k != "type"}
+    for name, cls in _PARAMS_CLASSES.items():
+        if name in fields:
+            fields[name] = _check_params(name, cls, fields[name])
     fmt = fields["fp8_format"]
     if not (isinstance(fmt, str) and fmt in Format.__members__):
         raise InvalidPayload(f"recipe: fp8_format must be one of {list(Format.__members__)}, "
@@ -176,9 +200,21 @@ def _check_recipe(data) -> Optional[Recipe]:
         raise InvalidPayload(f"recipe: amax_compute_algo must be one of {_STR_AMAX_ALGOS}, "
                              f"got {_describe(algo)}")
     try:
-        return (DelayedScaling if kind == "DelayedScaling" else Float8CurrentScaling)(**fields)
+        return _RECIPE_CLASSES[kind](**fields)
     except (TypeError, ValueError) as err:
         raise InvalidPayload(f"recipe: {err}") from None
+
+
+def _check_params(name: str, cls, data):
+    """A `QParams` / `MMParams` field from its dict (its own checks run on construction)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(data, dict) or set(data) != names:
+        raise InvalidPayload(f"recipe: {name} must be a dict with keys {sorted(names)}, got "
+                             f"{_describe(data)}")
+    try:
+        return cls(**data)
+    except (TypeError, ValueError) as err:
+        raise InvalidPayload(f"recipe: {name}: {err}") from None
 
 
 def _check_state(data, key: str, n: int) -> Optional[ScalingState]:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import quantize
+from .. import block_scaling, quantize
 from ..amax_update import non_finite_counter, request_backward_update
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
@@ -28,17 +28,51 @@ _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
-          record: bool, data: bool = True, transpose: bool = False):
-    """Cast a 2-D ``x`` with the delayed scale ``state.scale[index]`` (folding its amax
-    into the live history slot when ``record``) or, for current scaling, with its own
-    amax. Returns ``(x_fp8, x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`:
-    one pass over ``x`` on CUDA)."""
+          record: bool, role: str, data: bool = True, transpose: bool = False):
+    """Cast a 2-D ``x``, whose role is ``role`` ("fwd_inp", "fwd_weight" or "bwd_grad"),
+    with the delayed scale ``state.scale[index]`` (folding its amax into the live
+    history slot when ``record``), for current scaling with its own amax and the role's
+    `QParams`, for block scaling in blocks (block_scaling.py). Returns ``(x_fp8,
+    x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`: one pass over ``x`` on
+    CUDA); a block-scaled ``x_fp8^T`` is the columnwise copy (NOTE [Block scaling
+    layout])."""
     if plan.delayed:
         return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                         state.amax_history if record else None, data, transpose)
-    scale = quantize.current_scale(quantize.amax(x), dtype,
+    if plan.recipe.float8_block_scaling():
+        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
+    q = getattr(plan.recipe, "fp8_quant_" + role)
+    scale = quantize.current_scale(quantize.amax(x), dtype, q.power_2_scale, q.amax_epsilon,
                                    non_finite=non_finite_counter(x.device))
     return quantize.cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
+
+
+def _gemm(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+          fast_accum: bool = False) -> torch.Tensor:
+    """``a @ b^T`` (NOTE [GEMM vocabulary]) for per-tensor or block-scaled operands."""
+    if isinstance(a, block_scaling.BlockScaledData):
+        return block_scaling.block_gemm(a, b, out_dtype, bias)
+    return quantize.fp8_gemm_unchecked(a, b, out_dtype, bias=bias, use_fast_accum=fast_accum)
+
+
+def _fast_accum(recipe, gemm_field: str, default: bool) -> bool:
+    """``use_fast_accum`` of ``torch._scaled_mm`` for a GEMM: ``not use_split_accumulator``
+    of the recipe's `MMParams` for it (``fp8_gemm_fprop`` ...), ``default`` for a recipe
+    without them (delayed scaling: fast for the forward only, TE's defaults)."""
+    mm = getattr(recipe, gemm_field, None)
+    return default if mm is None else not mm.use_split_accumulator
+
+
+def _saved(q):
+    """The tensors of an FP8 operand to save for backward, and the operand without
+    them (`_restored` puts them back)."""
+    if q is None:
+        return (None, None), None
+    return (q.data, q.scale_inv), q._replace(data=None, scale_inv=None)
+
+
+def _restored(kind, data, scale_inv):
+    return kind._replace(data=data, scale_inv=scale_inv)
 
 
 def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, index: int,
@@ -55,17 +89,22 @@ def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, 
         recompute casts the weight again with the stashed scale, which gives the same
         FP8 values, so phase 1 keeps no FP8 weight alive for it. Current scaling needs
         no stash: its cast is a function of the weight's values, which the recompute
-        sees unchanged.
+        sees unchanged. Nor does block scaling; a weight in 1x128 blocks is cached with
+        its columnwise copy, which cannot be made from the FP8 data later (NOTE [Block
+        scaling layout]).
     """
     if plan.is_first_microbatch is None:        # no cache in use: the plain cast
-        return _cast(weight, plan, state, index, dtype, plan.record_amax, transpose=transpose)
+        return _cast(weight, plan, state, index, dtype, plan.record_amax, "fwd_weight",
+                     transpose=transpose)
     if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
         return _with_transpose(plan.stash.weights[gemm], transpose)
     cache = fp8_meta.setdefault("fp8_weight_cache", {})
     found = cache.get(gemm) if plan.is_first_microbatch is False else None
     if found is None:
-        found = _cast(weight, plan, state, index, dtype, plan.record_amax,
-                      transpose=transpose)
+        recipe = plan.recipe
+        rowwise_blocks = recipe.float8_block_scaling() and recipe.w_block_scaling_dim == 1
+        found = _cast(weight, plan, state, index, dtype, plan.record_amax, "fwd_weight",
+                      transpose=transpose or rowwise_blocks)
     found = _with_transpose(found, transpose)
     if not plan.recomputing:
         cache[gemm] = found
@@ -100,14 +139,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with no_autocast(x.device.type):
-            x_fp8, x_t = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
+            x_fp8, x_t = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax, "fwd_inp",
                                transpose=need_wgrad)
             w_fp8, w_t = _fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
                                      fmt.dtype_fwd, transpose=need_dgrad)
-            y = quantize.fp8_gemm_unchecked(x_fp8, w_fp8, out_dtype, bias=bias,
-                                            use_fast_accum=True)
-        ctx.save_for_backward(x_t.data if x_t is not None else None, x_fp8.scale_inv,
-                              w_t.data if w_t is not None else None, w_fp8.scale_inv)
+            y = _gemm(x_fp8, w_fp8, out_dtype, bias,
+                      _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
+        (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
+        (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
+        ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.main_grad_weight = weight if fuse_wgrad else None
@@ -116,7 +156,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x_t_data, x_scale_inv, w_t_data, w_scale_inv = ctx.saved_tensors
+        x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv = ctx.saved_tensors
         plan: ForwardPlan = ctx.plan
         fmt = plan.recipe.fp8_format.value
         state = ctx.fp8_meta["scaling_bwd"] if plan.delayed else None
@@ -125,19 +165,21 @@ class _FP8LinearFunction(torch.autograd.Function):
         with no_autocast(dy.device.type):
             dy = dy.contiguous()
             # The amax of dy is recorded even when only dbias is needed.
-            dy_fp8, dy_t = _cast(dy, plan, state, i, fmt.dtype_bwd, record=True,
+            dy_fp8, dy_t = _cast(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
                                  data=need_dgrad or not need_wgrad, transpose=need_wgrad)
             dgrad = wgrad = dbias = None
             if need_dgrad:
-                w_t = quantize.Float8Data(w_t_data, w_scale_inv)
-                dgrad = quantize.fp8_gemm_unchecked(dy_fp8, w_t, ctx.x_dtype)
+                w_t = _restored(ctx.w_t_kind, w_t_data, w_t_scale_inv)
+                dgrad = _gemm(dy_fp8, w_t, ctx.x_dtype,
+                              fast_accum=_fast_accum(plan.recipe, "fp8_gemm_dgrad", False))
             if need_wgrad:
-                x_t = quantize.Float8Data(x_t_data, x_scale_inv)
+                x_t = _restored(ctx.x_t_kind, x_t_data, x_t_scale_inv)
+                fast = _fast_accum(plan.recipe, "fp8_gemm_wgrad", False)
                 if ctx.main_grad_weight is None:
-                    wgrad = quantize.fp8_gemm_unchecked(dy_t, x_t, ctx.w_dtype)
+                    wgrad = _gemm(dy_t, x_t, ctx.w_dtype, fast_accum=fast)
                 else:       # NOTE [Fused wgrad accumulation] in main_grad.py
                     wgrad = accumulate_into_main_grad(
-                        ctx.main_grad_weight, quantize.fp8_gemm_unchecked(dy_t, x_t, torch.float32))
+                        ctx.main_grad_weight, _gemm(dy_t, x_t, torch.float32, fast_accum=fast))
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 # float32 accumulation without a float32 copy of dy
                 dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -176,7 +218,9 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         raise TypeError(f"{api}: FP8 GEMMs produce float32, bfloat16 or float16; got an input "
                         f"of dtype {x.dtype} (use one of {_ACT_DTYPES} or torch.autocast)")
     x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
-    if x2d.shape[0] % 16 or in_features % 16 or out_features % 16:
+    # the block-scaling emulation takes any shape (NOTE [Block scaling layout])
+    if (x2d.shape[0] % 16 or in_features % 16 or out_features % 16) \
+            and not plan.recipe.float8_block_scaling():
         quantize.check_gemm_shape(api, x2d.shape[0], in_features, out_features,
                                   f"input of shape {tuple(x.shape)}")
     y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype,
