@@ -92,6 +92,12 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
                          "num_gemms": num_gemms}
 
+    def named_api(self, api: str) -> str:
+        """``api`` (e.g. ``"te.Linear"``) with this module's ``name`` when it has one,
+        for error messages."""
+        name = getattr(self, "name", None)
+        return api if not isinstance(name, str) else f"{api}(name={name!r})"
+
     # ---- FP8 state ----------------------------------------------------------------
     def _meta_device(self) -> torch.device:
         for p in self.parameters():
@@ -179,8 +185,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         """Load what `get_extra_state` wrote: all of it after checking all of it, or
         nothing (a ``ValueError`` naming this module says what is wrong). A saved
         history length that differs from a later recipe is adapted at that forward."""
-        name = getattr(self, "name", None)
-        api = type(self).__name__ + (f"(name={name!r})" if isinstance(name, str) else "")
+        api = self.named_api(type(self).__name__)
         loaded = extra_state.load_fp8_state(
             state, f"{api}.set_extra_state", self.fp8_meta["num_gemms"],
             self.FWD_TENSORS_PER_GEMM, self.BWD_TENSORS_PER_GEMM)

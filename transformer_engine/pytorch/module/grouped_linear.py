@@ -160,11 +160,14 @@ class GroupedLinear(TransformerEngineBaseModule):
             # an empty block has nothing to cast or scale: its (empty) output comes from
             # the high-precision path, which also gives its weight a zero gradient
             empty_plan = dataclasses.replace(plan, fp8=False, record_amax=False)
-            outs = [fp8_linear(_API, x_i, w_i, None if self.return_bias else b_i,
+            api = self.named_api(_API)
+            outs = [fp8_linear(api, x_i, w_i, None if self.return_bias else b_i,
                                plan if x_i.shape[0] else empty_plan, self.fp8_meta, gemm=i,
-                               fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
-                    for i, (x_i, w_i, b_i) in enumerate(zip(torch.split(x2d, splits), weights,
-                                                            biases))]
+                               fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+                               input_name=f"input rows of GEMM {i} (m_splits[{i}]={m})",
+                               weight_name=f"weight{i}")
+                    for i, (x_i, w_i, b_i, m) in enumerate(zip(torch.split(x2d, splits),
+                                                               weights, biases, splits))]
         out = torch.cat(outs, dim=0).view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return out, biases

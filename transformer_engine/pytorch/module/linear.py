@@ -149,11 +149,14 @@ class _FP8LinearFunction(torch.autograd.Function):
 
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                plan: ForwardPlan, fp8_meta: dict, gemm: int = 0,
-               fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
+               fuse_wgrad_accumulation: bool = False, input_name: str = "input",
+               weight_name: str = "weight") -> torch.Tensor:
     """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
     slots in the module's scaling state. ``fuse_wgrad_accumulation``: the wgrad goes
-    into ``weight.main_grad`` (NOTE [Fused wgrad accumulation] in main_grad.py)."""
+    into ``weight.main_grad`` (NOTE [Fused wgrad accumulation] in main_grad.py).
+    ``input_name`` / ``weight_name`` name the tensors in a shape error (NOTE [FP8
+    shapes] in fp8_shapes.py)."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
@@ -177,9 +180,10 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         raise TypeError(f"{api}: FP8 GEMMs produce float32, bfloat16 or float16; got an input "
                         f"of dtype {x.dtype} (use one of {_ACT_DTYPES} or torch.autocast)")
     x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
-    if x2d.shape[0] % 16 or in_features % 16 or out_features % 16:
-        quantize.check_gemm_shape(api, x2d.shape[0], in_features, out_features,
-                                  f"input of shape {tuple(x.shape)}")
+    if (x2d.shape[0] % quantize.FP8_HEIGHT_MULTIPLE or in_features % quantize.FP8_WIDTH_MULTIPLE
+            or out_features % quantize.FP8_HEIGHT_MULTIPLE):
+        quantize.check_fp8_matrix(api, input_name, x.shape)
+        quantize.check_fp8_matrix(api, weight_name, weight.shape)
     y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype,
                                  fuse_wgrad_accumulation)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
@@ -333,7 +337,7 @@ class Linear(TransformerEngineBaseModule):
             inp = self.tp.column_input(inp)
             row = self.tp.parallel_mode == "row"
             fused_bias = None if (self.return_bias or row) else bias
-            out = fp8_linear(api, inp, weight, fused_bias, plan, self.fp8_meta,
+            out = fp8_linear(self.named_api(api), inp, weight, fused_bias, plan, self.fp8_meta,
                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
             out = self.tp.row_output(out)
         if self.return_bias:
