@@ -6,6 +6,7 @@ TESTS=(
     tests/pytorch/test_bad_input.py
     tests/pytorch/test_extra_state.py
     tests/pytorch/test_quantize.py
+    tests/pytorch/test_fp8_shapes.py
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
     tests/pytorch/test_grouped_linear.py
