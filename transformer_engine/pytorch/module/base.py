@@ -52,9 +52,11 @@ class ForwardPlan:
     backward asks for (a delayed-scaling FP8 training forward, or its recompute), else
     None (NOTE [Delayed-scaling update order] in amax_update.py).
     ``is_first_microbatch``: the value the caller passed to the module's forward
-    (None, True or False; NOTE [FP8 weight cache] in linear.py). ``stash``: the
+    (None, True or False; NOTE [FP8 weight cache] in fp8_operands.py). ``stash``: the
     recompute stash of this call (phase 1 fills its FP8 weights, the recompute reads
     them), else None. ``recomputing``: this call is a recompute.
+    ``skip_weight_update``: the device flag that picks the cached or a fresh FP8
+    weight (NOTE [Skip-update flag] in fp8_operands.py), else None.
     """
 
     fp8: bool
@@ -64,6 +66,7 @@ class ForwardPlan:
     is_first_microbatch: Optional[bool] = None
     stash: Any = None
     recomputing: bool = False
+    skip_weight_update: Optional[torch.Tensor] = None
 
     @property
     def delayed(self) -> bool:
@@ -136,7 +139,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         Phase 1 of a checkpoint stashes the forward state; the recompute swaps the
         stash in for the duration of the forward and puts the live state back after.
         ``is_first_microbatch`` is checked and handed on in the plan (NOTE [FP8 weight
-        cache] in linear.py). Yields a `ForwardPlan`.
+        cache] in fp8_operands.py); while a CUDA graph is captured and the skip-update
+        tensor is set, that tensor decides instead (NOTE [Skip-update flag]). Yields a
+        `ForwardPlan`.
         """
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
@@ -152,6 +157,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             self._adopt_recipe(recipe)
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
                            is_first_microbatch=is_first_microbatch)
+        skip = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
+        if skip is not None and fp8 and FP8GlobalStateManager.fp8_graph_capturing():
+            plan.is_first_microbatch, plan.skip_weight_update = False, skip
         swapped = False
         if distributed.in_fp8_activation_recompute_phase():
             if fp8 and plan.delayed:

@@ -154,7 +154,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         """``Norm(inp) W^T + b``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight
-        cache] in linear.py); ``fp8_output`` / ``fp8_grad`` are not implemented."""
+        cache] in fp8_operands.py); ``fp8_output`` / ``fp8_grad`` are not implemented."""
         api = "te.LayerNormLinear"
         reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
                            fp8_grad=(fp8_grad, False))

@@ -260,7 +260,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """The MLP on ``inp``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight cache]
-        in linear.py)."""
+        in fp8_operands.py)."""
         check_input("te.LayerNormMLP", inp, self.hidden_size)
         ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
                            self.normalization, self.eps, self.zero_centered_gamma)

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import quantize
-from ..amax_update import count_non_finite, request_backward_update
+from ..amax_update import request_backward_update
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
+from .fp8_operands import cast_operand, fp8_weight
 from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
@@ -25,62 +26,6 @@ from .params import (ParamInit, joined_parameter, normal_init, register_linear_p
 __all__ = ["Linear", "fp8_linear", "check_init_args", "local_parts"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
-          record: bool, data: bool = True, transpose: bool = False):
-    """Cast a 2-D ``x`` with the delayed scale ``state.scale[index]`` (folding its amax
-    into the live history slot when ``record``) or, for current scaling, with its own
-    amax. Returns ``(x_fp8, x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`:
-    one pass over ``x`` on CUDA)."""
-    if plan.delayed:
-        return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
-                                        state.amax_history if record else None, data, transpose)
-    amax_value = quantize.amax(x)
-    count_non_finite(amax_value)
-    scale = quantize.current_scale(amax_value, dtype)
-    return quantize.cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
-
-
-def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, index: int,
-                gemm: int, dtype: torch.dtype, transpose: bool):
-    """The FP8 weight (and its transpose) of GEMM ``gemm`` for this call.
-
-    NOTE [FP8 weight cache]
-        As in TE, ``is_first_microbatch=True`` casts the weight and keeps the cast in
-        the module; ``False`` reuses that cast (the weights do not change between the
-        micro-batches of a step), recording no amax for it; ``None`` casts every time
-        and keeps nothing. With a cache in use, a recompute uses the FP8 weights its own
-        phase 1 used (held in its stash), never the cache, which a later first
-        micro-batch may have refreshed; it writes no cache either. Without one, the
-        recompute casts the weight again with the stashed scale, which gives the same
-        FP8 values, so phase 1 keeps no FP8 weight alive for it. Current scaling needs
-        no stash: its cast is a function of the weight's values, which the recompute
-        sees unchanged.
-    """
-    if plan.is_first_microbatch is None:        # no cache in use: the plain cast
-        return _cast(weight, plan, state, index, dtype, plan.record_amax, transpose=transpose)
-    if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
-        return _with_transpose(plan.stash.weights[gemm], transpose)
-    cache = fp8_meta.setdefault("fp8_weight_cache", {})
-    found = cache.get(gemm) if plan.is_first_microbatch is False else None
-    if found is None:
-        found = _cast(weight, plan, state, index, dtype, plan.record_amax,
-                      transpose=transpose)
-    found = _with_transpose(found, transpose)
-    if not plan.recomputing:
-        cache[gemm] = found
-        if plan.stash is not None:
-            plan.stash.weights[gemm] = found
-    return found
-
-
-def _with_transpose(w, transpose: bool):
-    """``(w_fp8, w_fp8^T)`` with the transpose made from the FP8 data if it is missing
-    (a cast made without one, e.g. under no_grad): the very same FP8 values."""
-    if transpose and w[1] is None:
-        return w[0], w[0].t_contiguous()
-    return w
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -101,9 +46,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with no_autocast(x.device.type):
-            x_fp8, x_t = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
+            x_fp8, x_t = cast_operand(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
                                transpose=need_wgrad)
-            w_fp8, w_t = _fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
+            w_fp8, w_t = fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
                                      fmt.dtype_fwd, transpose=need_dgrad)
             y = quantize.fp8_gemm_unchecked(x_fp8, w_fp8, out_dtype, bias=bias,
                                             use_fast_accum=True)
@@ -126,7 +71,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         with no_autocast(dy.device.type):
             dy = dy.contiguous()
             # The amax of dy is recorded even when only dbias is needed.
-            dy_fp8, dy_t = _cast(dy, plan, state, i, fmt.dtype_bwd, record=True,
+            dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, record=True,
                                  data=need_dgrad or not need_wgrad, transpose=need_wgrad)
             dgrad = wgrad = dbias = None
             if need_dgrad:
@@ -323,8 +268,8 @@ class Linear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         """``inp W^T + b``; ``is_first_microbatch`` as in TE (FP8 weight caching across
-        micro-batches, NOTE [FP8 weight cache]). ``fp8_output`` / ``fp8_grad`` (FP8 tensors out of the
-        module) are not implemented."""
+        micro-batches, NOTE [FP8 weight cache] in fp8_operands.py). ``fp8_output`` /
+        ``fp8_grad`` (FP8 tensors out of the module) are not implemented."""
         api = "te.Linear"
         reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
                            fp8_grad=(fp8_grad, False),
