@@ -92,8 +92,10 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         self.name = name
         self.fp8 = False
         self.fp8_calibration = False
+        # "fp8_checkpoint": the module has FP8 state worth saving (TE's key; Megatron-LM
+        # reads it when it splits a grouped module's extra state)
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
-                         "num_gemms": num_gemms}
+                         "num_gemms": num_gemms, "fp8_checkpoint": False}
 
     def named_api(self, api: str) -> str:
         """``api`` (e.g. ``"te.Linear"``) with this module's ``name`` when it has one,
@@ -120,6 +122,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         the recipe's is resized, keeping the scales and the most recent amaxes
         (`quantize.resize_amax_history`), never discarded."""
         self.fp8_meta["recipe"] = recipe
+        self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():
             state = self.fp8_meta["scaling_fwd"]
             if state is None:
@@ -130,6 +133,33 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                     self.fp8_meta[key] = ScalingState(
                         s.scale.clone(), s.scale_inv.clone(),
                         quantize.resize_amax_history(s.amax_history, recipe.amax_history_len))
+
+    def _take_autocast_state(self):
+        """``(fp8, calibrating, recipe)`` of this thread's FP8 autocast, as this module
+        runs under it, set on the module (``fp8``, ``fp8_calibration``, the recipe
+        adopted); ``recipe`` is None when neither FP8 nor delayed-scaling calibration
+        is on."""
+        fp8 = FP8GlobalStateManager.is_fp8_enabled()
+        calibrating = FP8GlobalStateManager.is_fp8_calibration() and not fp8
+        recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
+        if calibrating and not recipe.delayed():
+            recipe, calibrating = None, False
+        if self.fp8 is not fp8 or self.fp8_calibration is not calibrating:
+            self.fp8, self.fp8_calibration = fp8, calibrating     # nn.Module.__setattr__ is slow
+        if recipe is not None and self.fp8_meta["recipe"] is not recipe:
+            self._adopt_recipe(recipe)
+        return fp8, calibrating, recipe
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TE's hook: take this thread's FP8 autocast state as a forward would at its
+        start (``fp8``, ``fp8_calibration``, the recipe and, for delayed scaling, the
+        scaling state made if missing). Outside an autocast it only records that FP8
+        is off. ``num_gemms`` must be this module's own (Megatron-LM passes it)."""
+        if num_gemms != self.fp8_meta["num_gemms"]:
+            raise ValueError(f"{self.named_api(type(self).__name__)}.init_fp8_metadata: "
+                             f"num_gemms must be this module's {self.fp8_meta['num_gemms']}, "
+                             f"got {num_gemms!r}")
+        self._take_autocast_state()
 
     @contextlib.contextmanager
     def prepare_forward(self, inp: Optional[torch.Tensor] = None,
@@ -146,15 +176,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
                             f"True or False, got {is_first_microbatch!r}")
-        fp8 = FP8GlobalStateManager.is_fp8_enabled()
-        calibrating = FP8GlobalStateManager.is_fp8_calibration() and not fp8
-        recipe = FP8GlobalStateManager.get_fp8_recipe() if (fp8 or calibrating) else None
-        if calibrating and not recipe.delayed():
-            recipe, calibrating = None, False
-        if self.fp8 is not fp8 or self.fp8_calibration is not calibrating:
-            self.fp8, self.fp8_calibration = fp8, calibrating     # nn.Module.__setattr__ is slow
-        if recipe is not None and self.fp8_meta["recipe"] is not recipe:
-            self._adopt_recipe(recipe)
+        fp8, calibrating, recipe = self._take_autocast_state()
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
                            is_first_microbatch=is_first_microbatch)
         skip = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
@@ -203,4 +225,5 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         fwd, bwd = (None if s is None else ScalingState(s.scale.to(device), s.scale_inv.to(device),
                                                         s.amax_history.to(device))
                     for s in (loaded.scaling_fwd, loaded.scaling_bwd))
-        self.fp8_meta.update(recipe=loaded.recipe, scaling_fwd=fwd, scaling_bwd=bwd)
+        self.fp8_meta.update(recipe=loaded.recipe, scaling_fwd=fwd, scaling_bwd=bwd,
+                             fp8_checkpoint=loaded.recipe is not None or fwd is not None)

@@ -22,23 +22,24 @@ from .base import TransformerEngineBaseModule, default_device
 from .linear import check_init_args, fp8_linear
 from .params import ParamInit, constant_init, normal_init
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "check_m_splits"]
 
 _API = "te.GroupedLinear"
 
 
-def _check_m_splits(m_splits, num_gemms: int, rows: int) -> List[int]:
-    """``m_splits`` as a list of ``num_gemms`` non-negative ints adding up to ``rows``."""
+def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _API) -> List[int]:
+    """``m_splits`` as a list of ``num_gemms`` non-negative ints adding up to ``rows``
+    (any sum when ``rows`` is None)."""
     if torch.is_tensor(m_splits) or not isinstance(m_splits, (list, tuple)):
-        raise TypeError(f"{_API}.forward: m_splits must be a list of {num_gemms} ints (call "
+        raise TypeError(f"{api}.forward: m_splits must be a list of {num_gemms} ints (call "
                         f".tolist() on a tensor of counts), got {type(m_splits).__name__}")
     splits = list(m_splits)
     if len(splits) != num_gemms or any(isinstance(m, bool) or not isinstance(m, int) or m < 0
                                        for m in splits):
-        raise ValueError(f"{_API}.forward: m_splits must hold num_gemms={num_gemms} "
+        raise ValueError(f"{api}.forward: m_splits must hold num_gemms={num_gemms} "
                          f"non-negative ints, got {m_splits!r}")
-    if sum(splits) != rows:
-        raise ValueError(f"{_API}.forward: m_splits must add up to the input's rows "
+    if rows is not None and sum(splits) != rows:
+        raise ValueError(f"{api}.forward: m_splits must add up to the input's rows "
                          f"({rows}), got {splits} (sum {sum(splits)})")
     return splits
 
@@ -153,7 +154,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             raise ValueError(f"{_API}: the input's last dimension must be in_features="
                              f"{self.in_features}, got input of shape {tuple(inp.shape)}")
         x2d = inp.reshape(-1, self.in_features)
-        splits = _check_m_splits(m_splits, self.num_gemms, x2d.shape[0])
+        splits = check_m_splits(m_splits, self.num_gemms, x2d.shape[0])
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
         with self.prepare_forward(inp, is_first_microbatch) as plan:
