@@ -16,7 +16,8 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Format
 from transformer_engine.pytorch import fp8_shapes, quantize
 from transformer_engine.pytorch.kernel_config import kernel_config
-from helpers import REENTRANT, assert_runs_equal, assert_tensors_equal, capture, te_modules
+from helpers import (REENTRANT, assert_runs_equal, assert_tensors_equal, capture, cuda_fp8,
+                     te_modules)
 
 E4M3_RECIPE = DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4)
 RULE = r"FP8 execution requires 2D input matrices with height divisible by 8 and width divisible by 16"
@@ -175,14 +176,14 @@ MODULES = [
 ]
 
 
-def _one_step(make, x_shape, args):
+def _one_step(make, x_shape, args, device="cpu"):
     """One FP8 forward and backward (first step: every scale is 1) of a module with
     dyadic weights; returns its output, input gradient and parameter gradients."""
     torch.manual_seed(0)
     module = _dyadic_weights(make())
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randint(-8, 9, x_shape, generator=gen).float() / 4).requires_grad_()
-    g = torch.randint(-4, 5, (*x_shape[:-1], 1), generator=gen).float() / 4
+    x = (torch.randint(-8, 9, x_shape, generator=gen).float() / 4).to(device).requires_grad_()
+    g = (torch.randint(-4, 5, (*x_shape[:-1], 1), generator=gen).float() / 4).to(device)
     out = _fp8_forward(module, x, *args)
     (out * g).sum().backward()
     return [out.detach(), x.grad] + [p.grad for p in module.parameters()]
@@ -265,3 +266,19 @@ def test_checkpoint_is_bit_identical_on_a_padded_shape(use_reentrant, scaled_mm_
     assert ref_calls == 3 and calls == 6                  # every step recomputed
     assert any(a[0] == (32, 48) for a in scaled_mm_calls)   # 24 tokens padded to 32
     assert_runs_equal(ref, got)
+
+
+@cuda_fp8
+@pytest.mark.parametrize("make, x_shape, args", MODULES)
+def test_cuda_runs_padded_shapes_like_the_cpu(make, x_shape, args, scaled_mm_calls):
+    """On the GPU, ``torch._scaled_mm`` gets operands padded to multiples of 16 and the
+    module matches the CPU's exact run (the forward GEMM uses fast accumulation)."""
+    cpu = _one_step(make, x_shape, args)
+
+    def make_cuda():
+        return make().cuda()
+
+    gpu = _one_step(make_cuda, x_shape, args, device="cuda")
+    assert scaled_mm_calls and all(d % 16 == 0 for a, b in scaled_mm_calls for d in a + b)
+    for i, (c, g) in enumerate(zip(cpu, gpu)):
+        torch.testing.assert_close(g.cpu(), c, rtol=1e-3, atol=1e-3, msg=f"tensor {i}")
