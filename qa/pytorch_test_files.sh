@@ -9,6 +9,7 @@ TESTS=(
     tests/pytorch/test_quantize.py
     tests/pytorch/test_block_scaling.py
     tests/pytorch/test_block_scaling_modules.py
+    tests/pytorch/test_fp8_shapes.py
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
     tests/pytorch/test_grouped_linear.py
@@ -19,6 +20,7 @@ TESTS=(
     tests/pytorch/test_checkpoint_callables.py
     tests/pytorch/test_checkpoint_api.py
     tests/pytorch/test_weight_cache.py
+    tests/pytorch/test_skip_weight_update.py
     tests/pytorch/test_threads.py
     tests/pytorch/test_backward_update.py
     tests/pytorch/test_non_finite_amax.py
@@ -38,6 +40,7 @@ TESTS=(
     tests/pytorch/test_package_identity.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py
+    tests/pytorch/test_megatron_moe.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py

@@ -428,8 +428,10 @@ CALL_CASES = [
     _case(_fp8(_call(_lin(), _typed(torch.float64, 16, 16))), TypeError,
           "te.Linear: FP8 GEMMs produce float32, bfloat16 or float16; got an input of dtype "
           "torch.float64", "linear-input-fp64-fp8"),
-    _case(_fp8(_call(_lin(), _f32(8, 16))), ValueError,
-          "te.Linear: an FP8 GEMM needs M .*M=8", "linear-fp8-rows-indivisible"),
+    _case(_fp8(_call(_lin(), _f32(12, 16))), ValueError,
+          r"te.Linear: FP8 execution requires 2D input matrices with height divisible by 8 and "
+          r"width divisible by 16; got the input of shape \(12, 16\)",
+          "linear-fp8-rows-indivisible"),
     # te.LayerNorm / te.RMSNorm
     _case(_call(lambda: te.LayerNorm(16, device=CPU), _typed(torch.int64, 2, 16)), TypeError,
           "te.LayerNorm: input must be a floating-point tensor, got dtype torch.int64",
@@ -463,7 +465,8 @@ CALL_CASES = [
                 lambda: torch.ones(4, 16, dtype=torch.bfloat16, requires_grad=True)),
           TypeError, "te.LayerNormMLP: " + MISMATCH, "lnmlp-checkpointed-input-bf16"),
     _case(_fp8(_call(lambda: te.LayerNormMLP(64, 24, device=CPU), _f32(16, 64))), ValueError,
-          r"te.LayerNormMLP: an FP8 GEMM needs .*N=24 not", "lnmlp-fp8-ffn-indivisible"),
+          r"te.LayerNormMLP: FP8 execution requires .*; got the FC2 input \(the activation "
+          r"output\) of shape \(16, 24\), height 16 and width 24", "lnmlp-fp8-ffn-indivisible"),
     # te.DotProductAttention
     _case(_call(lambda: te.DotProductAttention(4, 16, attn_mask_type="padding"), _qkv, _qkv,
                 _qkv), ValueError,

@@ -46,6 +46,14 @@ class _ThreadAutocast(threading.local):
 _THREAD = _ThreadAutocast()
 
 
+class _SkipWeightUpdate:
+    """The process-wide skip-update flag (NOTE [Skip-update flag] in
+    module/fp8_operands.py): one tensor, filled in place so that captured graphs keep
+    reading it."""
+
+    tensor: Optional[torch.Tensor] = None
+
+
 def get_default_fp8_recipe() -> Recipe:
     """The recipe an autocast uses when none is given: ``DelayedScaling()``."""
     return DelayedScaling()
@@ -61,8 +69,10 @@ class FP8GlobalStateManager:
     # ---- queries ---------------------------------------------------------------
     @classmethod
     def reset(cls) -> None:
-        """Back to no autocast on this thread. Pending backward updates still run."""
+        """Back to no autocast on this thread, and no skip-update tensor (process-wide).
+        Pending backward updates still run."""
         _THREAD.state = _AutocastState()
+        _SkipWeightUpdate.tensor = None
 
     @classmethod
     def is_fp8_enabled(cls) -> bool:
@@ -112,6 +122,45 @@ class FP8GlobalStateManager:
     @classmethod
     def reset_non_finite_amax_count(cls) -> None:
         amax_update.reset_non_finite_amax_count()
+
+    # ---- FP8 weight updates under CUDA graphs (NOTE [Skip-update flag]) ----------
+    @classmethod
+    def set_skip_fp8_weight_update_tensor(cls, skip) -> None:
+        """Fill the skip-update tensor with ``skip`` (True / 1.0: a module forward
+        captured in a CUDA graph keeps its cached FP8 weight; False / 0.0: it casts the
+        weight afresh). The tensor, a float32 ``[1]`` on CUDA if available else the CPU,
+        is made at the first call and filled in place after, so graphs that read it
+        see each new value. ``skip`` is a bool, a number, or a one-element tensor
+        (copied on the device, no host sync)."""
+        api = "FP8GlobalStateManager.set_skip_fp8_weight_update_tensor"
+        if torch.is_tensor(skip):
+            if skip.numel() != 1 or skip.dtype.is_complex:
+                raise ValueError(f"{api}: skip must be a bool, a number or a one-element real "
+                                 f"tensor, got a {skip.dtype} tensor of shape "
+                                 f"{tuple(skip.shape)}")
+        elif not isinstance(skip, (bool, int, float)):
+            raise TypeError(f"{api}: skip must be a bool, a number or a one-element tensor, "
+                            f"got {type(skip).__name__}")
+        if _SkipWeightUpdate.tensor is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            _SkipWeightUpdate.tensor = torch.empty(1, dtype=torch.float32, device=device)
+        flag = _SkipWeightUpdate.tensor
+        if torch.is_tensor(skip):
+            flag.copy_(skip.reshape(1), non_blocking=True)
+        else:
+            flag.fill_(float(skip))
+
+    @classmethod
+    def get_skip_fp8_weight_update_tensor(cls) -> Optional[torch.Tensor]:
+        """The skip-update tensor, or None before the first
+        `set_skip_fp8_weight_update_tensor` (and after `reset`)."""
+        return _SkipWeightUpdate.tensor
+
+    @classmethod
+    def fp8_graph_capturing(cls) -> bool:
+        """Whether the current CUDA stream is capturing a graph: module forwards then
+        take the FP8 weight choice from the skip-update tensor, when one is set."""
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     # ---- autocast --------------------------------------------------------------
     @classmethod

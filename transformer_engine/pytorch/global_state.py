@@ -15,20 +15,24 @@ __all__ = ["GlobalStateSnapshot", "snapshot", "clean"]
 class GlobalStateSnapshot(NamedTuple):
     """The calling thread's FP8 autocast state and recompute position, and, process-wide,
     the module-mode hook users, the checkpoint frames alive (call ``gc.collect()``
-    first to drop unreachable graphs) and the kernel configuration (compare with ``==``;
-    the autocast state is compared by value, frames by identity)."""
+    first to drop unreachable graphs), the kernel configuration and whether a
+    skip-update tensor is set (compare with ``==``; the autocast state is compared by
+    value, frames by identity)."""
 
     autocast: _AutocastState
     recompute: recompute.RecomputePosition
     mode_hook_users: int
     live_frames: int
     kernels: KernelConfig
+    skip_weight_update_set: bool = False
 
 
 def snapshot() -> GlobalStateSnapshot:
     return GlobalStateSnapshot(FP8GlobalStateManager.get_fp8_autocast_state(),
                                recompute.position(), recompute.mode_hook_users(),
-                               len(recompute.live_frames()), get_kernel_config())
+                               len(recompute.live_frames()), get_kernel_config(),
+                               FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
+                               is not None)
 
 
 def clean() -> GlobalStateSnapshot:

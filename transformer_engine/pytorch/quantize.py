@@ -27,7 +27,8 @@ NOTE [CPU FP8 GEMM]
     E4M3 on every shape measured (``benchmarks/bench_cpu_gemm.py``). The choice is a
     fixed setting, not a timing probe, so that two processes on one machine compute
     the same bits. ``KernelConfig.cpu_gemm="scaled_mm"`` (``NVTE_CPU_FP8_GEMM``) selects
-    ``torch._scaled_mm`` instead; both are tested against a float64 reference.
+    ``torch._scaled_mm`` instead, through the same padding as on CUDA
+    (`scaled_mm_padded`); both are tested against a float64 reference.
 
 NOTE [GEMM vocabulary]
     For a linear layer ``y = x W^T`` (x: [M, K], W: [N, K], y: [M, N]):
@@ -36,20 +37,25 @@ NOTE [GEMM vocabulary]
     wgrad    ``dW    = dy^T @ x``
     Every FP8 GEMM here is written ``a @ b^T`` with both operands row-major
     ``[rows, K]``; `fp8_gemm` hands ``b`` to ``torch._scaled_mm`` column-major.
+
+    Shapes: NOTE [FP8 shapes] in fp8_shapes.py.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .fp8_shapes import (FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data,
+                         check_fp8_matrix, check_gemm_shape, scaled_mm_padded)
 from .kernel_config import get_kernel_config
 
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
     "cast_transpose_unchecked", "current_scale", "fp8_gemm", "fp8_gemm_unchecked",
-    "upcast_gemm", "check_gemm_shape", "amax_from_history", "scale_from_amax",
+    "upcast_gemm", "scaled_mm_padded", "check_fp8_matrix", "check_gemm_shape",
+    "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "amax_from_history", "scale_from_amax",
     "roll_amax_history", "resize_amax_history", "sanitize_live_amax", "check_computed_scale",
     "delayed_scaling_update", "delayed_scaling_update_",
 ]
@@ -97,21 +103,6 @@ def _no_grad(x: torch.Tensor) -> torch.Tensor:
     (``detach`` is an op and a new tensor, on every cast of the modules, which run
     their casts with grad mode off)."""
     return x.detach() if x.requires_grad and torch.is_grad_enabled() else x
-
-
-class Float8Data(NamedTuple):
-    """An FP8 tensor: ``data`` (an FP8 dtype) and the ``scale_inv`` that turns it
-    back into real values (``real = data * scale_inv``)."""
-
-    data: torch.Tensor
-    scale_inv: torch.Tensor
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
-
-    def t_contiguous(self) -> "Float8Data":
-        """The transposed copy, row-major, with the same scale."""
-        return Float8Data(self.data.t().contiguous(), self.scale_inv)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -242,20 +233,6 @@ def current_scale(amax_value: torch.Tensor, dtype: torch.dtype, power_2_scale: b
     return scale
 
 
-def check_gemm_shape(api: str, m: int, k: int, n: int, what: str) -> None:
-    """FP8 GEMMs (cuBLASLt, and ``torch._scaled_mm`` on CUDA) need every dimension of
-    forward, dgrad and wgrad divisible by 16. Raise a ``ValueError`` that names the
-    shape instead of failing deep inside the kernel (or, on CPU, silently passing)."""
-    bad = {name: v for name, v in (("M", m), ("K", k), ("N", n)) if v % 16 != 0}
-    if bad:
-        dims = ", ".join(f"{name}={v}" for name, v in bad.items())
-        raise ValueError(
-            f"{api}: an FP8 GEMM needs M (tokens), K (in features) and N (out features) "
-            f"divisible by 16; got {what} with M={m}, K={k}, N={n} ({dims} not divisible). "
-            "Pad the batch/sequence or change the layer size, or run this layer outside "
-            "te.autocast.")
-
-
 def fp8_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
              bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
     """``a @ b^T`` for FP8 operands ``a: [M, K]`` and ``b: [N, K]`` (both row-major),
@@ -289,18 +266,10 @@ def fp8_gemm_unchecked(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
                        bias: Optional[torch.Tensor] = None,
                        use_fast_accum: bool = False) -> torch.Tensor:
     """`fp8_gemm` without its checks, for operands the modules' own casts made
-    (contiguous, FP8, shapes checked by `check_gemm_shape` at the module's entry)."""
+    (contiguous, FP8, shapes checked by `check_fp8_matrix` at the module's entry)."""
     if not a.data.is_cuda and get_kernel_config().cpu_gemm == "upcast":
         return upcast_gemm(a, b, out_dtype, bias)
-    # cuBLASLt takes a bias only for 16-bit outputs; a float32 output adds it after.
-    fused_bias = None
-    if bias is not None and out_dtype != torch.float32:
-        fused_bias = bias if bias.dtype == out_dtype else bias.to(out_dtype)
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
-                           bias=fused_bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    if bias is not None and fused_bias is None:
-        out += bias.to(out_dtype)
-    return out
+    return scaled_mm_padded(a, b, out_dtype, bias, use_fast_accum)
 
 
 def upcast_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,

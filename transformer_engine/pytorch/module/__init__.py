@@ -1,6 +1,7 @@
 """TE modules."""
 
 from .base import TransformerEngineBaseModule
+from .fp8_padding import Fp8Padding, Fp8Unpadding
 from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
@@ -8,4 +9,4 @@ from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 
 __all__ = ["TransformerEngineBaseModule", "GroupedLinear", "Linear", "LayerNorm", "RMSNorm",
-           "LayerNormLinear", "LayerNormMLP"]
+           "LayerNormLinear", "LayerNormMLP", "Fp8Padding", "Fp8Unpadding"]

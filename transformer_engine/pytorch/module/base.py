@@ -52,10 +52,12 @@ class ForwardPlan:
     backward asks for (a delayed-scaling FP8 training forward, or its recompute), else
     None (NOTE [Delayed-scaling update order] in amax_update.py).
     ``is_first_microbatch``: the value the caller passed to the module's forward
-    (None, True or False; NOTE [FP8 weight cache] in linear.py). ``stash``: the
+    (None, True or False; NOTE [FP8 weight cache] in fp8_operands.py). ``stash``: the
     recompute stash of this call (phase 1 fills its FP8 weights, the recompute reads
     them), else None. ``recomputing``: this call is a recompute. ``delayed``: the
     recipe keeps delayed-scaling state (read on every cast, so decided once here).
+    ``skip_weight_update``: the device flag that picks the cached or a fresh FP8
+    weight (NOTE [Skip-update flag] in fp8_operands.py), else None.
     """
 
     fp8: bool
@@ -66,6 +68,7 @@ class ForwardPlan:
     stash: Any = None
     recomputing: bool = False
     delayed: bool = field(init=False)
+    skip_weight_update: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         self.delayed = self.recipe is not None and self.recipe.delayed()
@@ -90,8 +93,16 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         self.name = name
         self.fp8 = False
         self.fp8_calibration = False
+        # "fp8_checkpoint": the module has FP8 state worth saving (TE's key; Megatron-LM
+        # reads it when it splits a grouped module's extra state)
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
-                         "num_gemms": num_gemms}
+                         "num_gemms": num_gemms, "fp8_checkpoint": False}
+
+    def named_api(self, api: str) -> str:
+        """``api`` (e.g. ``"te.Linear"``) with this module's ``name`` when it has one,
+        for error messages."""
+        name = getattr(self, "name", None)
+        return api if not isinstance(name, str) else f"{api}(name={name!r})"
 
     # ---- FP8 state ----------------------------------------------------------------
     def _meta_device(self) -> torch.device:
@@ -112,6 +123,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         the recipe's is resized, keeping the scales and the most recent amaxes
         (`quantize.resize_amax_history`), never discarded."""
         self.fp8_meta["recipe"] = recipe
+        self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():
             state = self.fp8_meta["scaling_fwd"]
             if state is None:
@@ -123,19 +135,11 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                         s.scale.clone(), s.scale_inv.clone(),
                         quantize.resize_amax_history(s.amax_history, recipe.amax_history_len))
 
-    @contextlib.contextmanager
-    def prepare_forward(self, inp: Optional[torch.Tensor] = None,
-                        is_first_microbatch: Optional[bool] = None):
-        """Decide how this call uses FP8 and do its recompute bookkeeping.
-
-        Phase 1 of a checkpoint stashes the forward state; the recompute swaps the
-        stash in for the duration of the forward and puts the live state back after.
-        ``is_first_microbatch`` is checked and handed on in the plan (NOTE [FP8 weight
-        cache] in linear.py). Yields a `ForwardPlan`.
-        """
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
-                            f"True or False, got {is_first_microbatch!r}")
+    def _take_autocast_state(self):
+        """``(fp8, calibrating, recipe)`` of this thread's FP8 autocast, as this module
+        runs under it, set on the module (``fp8``, ``fp8_calibration``, the recipe
+        adopted); ``recipe`` is None when neither FP8 nor delayed-scaling calibration
+        is on."""
         autocast = FP8GlobalStateManager.get_fp8_autocast_state()
         fp8 = autocast.enabled
         calibrating = autocast.calibrating and not fp8
@@ -146,8 +150,40 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             self.fp8, self.fp8_calibration = fp8, calibrating     # nn.Module.__setattr__ is slow
         if recipe is not None and self.fp8_meta["recipe"] is not recipe:
             self._adopt_recipe(recipe)
+        return fp8, calibrating, recipe
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TE's hook: take this thread's FP8 autocast state as a forward would at its
+        start (``fp8``, ``fp8_calibration``, the recipe and, for delayed scaling, the
+        scaling state made if missing). Outside an autocast it only records that FP8
+        is off. ``num_gemms`` must be this module's own (Megatron-LM passes it)."""
+        if num_gemms != self.fp8_meta["num_gemms"]:
+            raise ValueError(f"{self.named_api(type(self).__name__)}.init_fp8_metadata: "
+                             f"num_gemms must be this module's {self.fp8_meta['num_gemms']}, "
+                             f"got {num_gemms!r}")
+        self._take_autocast_state()
+
+    @contextlib.contextmanager
+    def prepare_forward(self, inp: Optional[torch.Tensor] = None,
+                        is_first_microbatch: Optional[bool] = None):
+        """Decide how this call uses FP8 and do its recompute bookkeeping.
+
+        Phase 1 of a checkpoint stashes the forward state; the recompute swaps the
+        stash in for the duration of the forward and puts the live state back after.
+        ``is_first_microbatch`` is checked and handed on in the plan (NOTE [FP8 weight
+        cache] in fp8_operands.py); while a CUDA graph is captured and the skip-update
+        tensor is set, that tensor decides instead (NOTE [Skip-update flag]). Yields a
+        `ForwardPlan`.
+        """
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
+                            f"True or False, got {is_first_microbatch!r}")
+        fp8, calibrating, recipe = self._take_autocast_state()
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
                            is_first_microbatch=is_first_microbatch)
+        skip = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
+        if skip is not None and fp8 and FP8GlobalStateManager.fp8_graph_capturing():
+            plan.is_first_microbatch, plan.skip_weight_update = False, skip
         swapped = False
         if distributed.in_fp8_activation_recompute_phase():
             if fp8 and plan.delayed:
@@ -161,7 +197,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                 plan.record_amax = True
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
                 if fp8:
-                    plan.session = autocast.session
+                    plan.session = FP8GlobalStateManager.current_session()
             if distributed.is_fp8_activation_recompute_enabled():
                 plan.stash = FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
                     self.fp8_meta, plan.session)
@@ -181,8 +217,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         """Load what `get_extra_state` wrote: all of it after checking all of it, or
         nothing (a ``ValueError`` naming this module says what is wrong). A saved
         history length that differs from a later recipe is adapted at that forward."""
-        name = getattr(self, "name", None)
-        api = type(self).__name__ + (f"(name={name!r})" if isinstance(name, str) else "")
+        api = self.named_api(type(self).__name__)
         loaded = extra_state.load_fp8_state(
             state, f"{api}.set_extra_state", self.fp8_meta["num_gemms"],
             self.FWD_TENSORS_PER_GEMM, self.BWD_TENSORS_PER_GEMM)
@@ -192,4 +227,5 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         fwd, bwd = (None if s is None else ScalingState(s.scale.to(device), s.scale_inv.to(device),
                                                         s.amax_history.to(device))
                     for s in (loaded.scaling_fwd, loaded.scaling_bwd))
-        self.fp8_meta.update(recipe=loaded.recipe, scaling_fwd=fwd, scaling_bwd=bwd)
+        self.fp8_meta.update(recipe=loaded.recipe, scaling_fwd=fwd, scaling_bwd=bwd,
+                             fp8_checkpoint=loaded.recipe is not None or fwd is not None)

@@ -16,7 +16,9 @@ NOTE [FP8 extra state payload]
                  "scale_inv": [n], "amax_history": [L, n]}``, float32, with ``n`` the
                  module's ``num_gemms`` times 2 (forward) or 1 (backward).
 
-    It is read with ``torch.load(weights_only=True)`` and checked whole: keys exactly,
+    A module with no FP8 state at all writes an empty tensor instead, and loading an
+    empty tensor changes nothing (as in TE). A payload is read with
+    ``torch.load(weights_only=True)`` and checked whole: keys exactly,
     tensors float32 of the shapes this module needs, scales finite and at least the
     smallest normal float32, ``scale_inv`` equal to ``1 / scale``, histories finite,
     non-negative, of one length in ``[1, MAX_AMAX_HISTORY_LEN]`` (the recipe's
@@ -100,7 +102,13 @@ def _recipe_to_dict(recipe: Optional[Recipe]):
 
 
 def save_fp8_state(fp8_meta: dict) -> torch.Tensor:
-    """The payload of NOTE [FP8 extra state payload] for ``fp8_meta``."""
+    """The payload of NOTE [FP8 extra state payload] for ``fp8_meta``; an empty uint8
+    tensor when the module has no FP8 state at all (no recipe, no scaling state), as
+    TE writes (Megatron-LM's grouped-expert checkpointing reads an empty tensor as "no
+    FP8")."""
+    if fp8_meta["recipe"] is None and fp8_meta["scaling_fwd"] is None \
+            and fp8_meta["scaling_bwd"] is None:
+        return torch.zeros(0, dtype=torch.uint8)
     state = {"recipe": _recipe_to_dict(fp8_meta["recipe"])}
     for key in ("scaling_fwd", "scaling_bwd"):
         s = fp8_meta[key]

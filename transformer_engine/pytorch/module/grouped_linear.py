@@ -22,23 +22,24 @@ from .base import TransformerEngineBaseModule, default_device
 from .linear import check_init_args, fp8_linear
 from .params import ParamInit, constant_init, normal_init
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "check_m_splits"]
 
 _API = "te.GroupedLinear"
 
 
-def _check_m_splits(m_splits, num_gemms: int, rows: int) -> List[int]:
-    """``m_splits`` as a list of ``num_gemms`` non-negative ints adding up to ``rows``."""
+def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _API) -> List[int]:
+    """``m_splits`` as a list of ``num_gemms`` non-negative ints adding up to ``rows``
+    (any sum when ``rows`` is None)."""
     if torch.is_tensor(m_splits) or not isinstance(m_splits, (list, tuple)):
-        raise TypeError(f"{_API}.forward: m_splits must be a list of {num_gemms} ints (call "
+        raise TypeError(f"{api}.forward: m_splits must be a list of {num_gemms} ints (call "
                         f".tolist() on a tensor of counts), got {type(m_splits).__name__}")
     splits = list(m_splits)
     if len(splits) != num_gemms or any(isinstance(m, bool) or not isinstance(m, int) or m < 0
                                        for m in splits):
-        raise ValueError(f"{_API}.forward: m_splits must hold num_gemms={num_gemms} "
+        raise ValueError(f"{api}.forward: m_splits must hold num_gemms={num_gemms} "
                          f"non-negative ints, got {m_splits!r}")
-    if sum(splits) != rows:
-        raise ValueError(f"{_API}.forward: m_splits must add up to the input's rows "
+    if rows is not None and sum(splits) != rows:
+        raise ValueError(f"{api}.forward: m_splits must add up to the input's rows "
                          f"({rows}), got {splits} (sum {sum(splits)})")
     return splits
 
@@ -153,18 +154,21 @@ class GroupedLinear(TransformerEngineBaseModule):
             raise ValueError(f"{_API}: the input's last dimension must be in_features="
                              f"{self.in_features}, got input of shape {tuple(inp.shape)}")
         x2d = inp.reshape(-1, self.in_features)
-        splits = _check_m_splits(m_splits, self.num_gemms, x2d.shape[0])
+        splits = check_m_splits(m_splits, self.num_gemms, x2d.shape[0])
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
         with self.prepare_forward(inp, is_first_microbatch) as plan:
             # an empty block has nothing to cast or scale: its (empty) output comes from
             # the high-precision path, which also gives its weight a zero gradient
             empty_plan = dataclasses.replace(plan, fp8=False, record_amax=False)
-            outs = [fp8_linear(_API, x_i, w_i, None if self.return_bias else b_i,
+            api = self.named_api(_API)
+            outs = [fp8_linear(api, x_i, w_i, None if self.return_bias else b_i,
                                plan if x_i.shape[0] else empty_plan, self.fp8_meta, gemm=i,
-                               fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
-                    for i, (x_i, w_i, b_i) in enumerate(zip(torch.split(x2d, splits), weights,
-                                                            biases))]
+                               fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+                               input_name=f"input rows of GEMM {i} (m_splits[{i}]={m})",
+                               weight_name=f"weight{i}")
+                    for i, (x_i, w_i, b_i, m) in enumerate(zip(torch.split(x2d, splits),
+                                                               weights, biases, splits))]
         out = torch.cat(outs, dim=0).view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return out, biases

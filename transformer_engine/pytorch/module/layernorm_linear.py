@@ -154,7 +154,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         """``Norm(inp) W^T + b``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight
-        cache] in linear.py); ``fp8_output`` / ``fp8_grad`` are not implemented."""
+        cache] in fp8_operands.py); ``fp8_output`` / ``fp8_grad`` are not implemented."""
         api = "te.LayerNormLinear"
         reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
                            fp8_grad=(fp8_grad, False))
@@ -164,9 +164,11 @@ class LayerNormLinear(TransformerEngineBaseModule):
                                self.normalization, self.eps, self.zero_centered_gamma)
             bias = joined_parameter(self, self.bias_names)
             gemm_in = self.tp.column_input(ln_out)
-            out = fp8_linear(api, gemm_in, joined_parameter(self, self.weight_names),
+            out = fp8_linear(self.named_api(api), gemm_in,
+                             joined_parameter(self, self.weight_names),
                              None if self.return_bias else bias, plan, self.fp8_meta,
-                             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+                             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+                             input_name="normalized input")
         if (self.return_layernorm_output_gathered and self.tp.sequence_parallel
                 and self.tp.size > 1):
             ln_out = gemm_in                    # the all-gathered normalization output

@@ -233,18 +233,20 @@ class LayerNormMLP(TransformerEngineBaseModule):
     def _fc1_act_fc2(self, ln_out: torch.Tensor, is_first_microbatch: Optional[bool] = None
                      ) -> torch.Tensor:
         """FC1 -> activation -> FC2: the module's one FP8 forward (one prepare_forward)."""
-        api = "te.LayerNormMLP"
+        api = self.named_api("te.LayerNormMLP")
         fuse = self.fuse_wgrad_accumulation
         with self.prepare_forward(ln_out, is_first_microbatch) as plan:
             fc1_out = fp8_linear(api, self.tp_fc1.column_input(ln_out), self.fc1_weight,
                                  self.fc1_bias, plan, self.fp8_meta, gemm=0,
-                                 fuse_wgrad_accumulation=fuse)
+                                 fuse_wgrad_accumulation=fuse, input_name="FC1 input",
+                                 weight_name="fc1_weight")
             act_out = activate(fc1_out, self.activation)
             row = self.tp_fc2.size > 1
             fc2_bias = None if (self.return_bias or row) else self.fc2_bias
-            out = self.tp_fc2.row_output(fp8_linear(api, act_out, self.fc2_weight, fc2_bias,
-                                                    plan, self.fp8_meta, gemm=1,
-                                                    fuse_wgrad_accumulation=fuse))
+            out = self.tp_fc2.row_output(fp8_linear(
+                api, act_out, self.fc2_weight, fc2_bias, plan, self.fp8_meta, gemm=1,
+                fuse_wgrad_accumulation=fuse, input_name="FC2 input (the activation output)",
+                weight_name="fc2_weight"))
         if row and not self.return_bias and self.fc2_bias is not None:
             out = out + self.fc2_bias.to(out.dtype)
         return out
@@ -258,7 +260,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """The MLP on ``inp``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight cache]
-        in linear.py)."""
+        in fp8_operands.py)."""
         check_input("te.LayerNormMLP", inp, self.hidden_size)
         ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
                            self.normalization, self.eps, self.zero_centered_gamma)

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import block_scaling, quantize
-from ..amax_update import non_finite_counter, request_backward_update
+from ..amax_update import request_backward_update
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
+from .fp8_operands import cast_operand, fp8_weight
 from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
@@ -25,26 +26,6 @@ from .params import (ParamInit, joined_parameter, normal_init, register_linear_p
 __all__ = ["Linear", "fp8_linear", "check_init_args", "local_parts"]
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _cast(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
-          record: bool, role: str, data: bool = True, transpose: bool = False):
-    """Cast a 2-D ``x``, whose role is ``role`` ("fwd_inp", "fwd_weight" or "bwd_grad"),
-    with the delayed scale ``state.scale[index]`` (folding its amax into the live
-    history slot when ``record``), for current scaling with its own amax and the role's
-    `QParams`, for block scaling in blocks (block_scaling.py). Returns ``(x_fp8,
-    x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`: one pass over ``x`` on
-    CUDA); a block-scaled ``x_fp8^T`` is the columnwise copy (NOTE [Block scaling
-    layout])."""
-    if plan.delayed:
-        return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
-                                        state.amax_history if record else None, data, transpose)
-    if plan.recipe.float8_block_scaling():
-        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
-    q = getattr(plan.recipe, "fp8_quant_" + role)
-    scale = quantize.current_scale(quantize.amax(x), dtype, q.power_2_scale, q.amax_epsilon,
-                                   non_finite=non_finite_counter(x.device))
-    return quantize.cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
 
 
 def _gemm(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
@@ -75,52 +56,6 @@ def _restored(kind, data, scale_inv):
     return kind._replace(data=data, scale_inv=scale_inv)
 
 
-def _fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, index: int,
-                gemm: int, dtype: torch.dtype, transpose: bool):
-    """The FP8 weight (and its transpose) of GEMM ``gemm`` for this call.
-
-    NOTE [FP8 weight cache]
-        As in TE, ``is_first_microbatch=True`` casts the weight and keeps the cast in
-        the module; ``False`` reuses that cast (the weights do not change between the
-        micro-batches of a step), recording no amax for it; ``None`` casts every time
-        and keeps nothing. With a cache in use, a recompute uses the FP8 weights its own
-        phase 1 used (held in its stash), never the cache, which a later first
-        micro-batch may have refreshed; it writes no cache either. Without one, the
-        recompute casts the weight again with the stashed scale, which gives the same
-        FP8 values, so phase 1 keeps no FP8 weight alive for it. Current scaling needs
-        no stash: its cast is a function of the weight's values, which the recompute
-        sees unchanged. Nor does block scaling; a weight in 1x128 blocks is cached with
-        its columnwise copy, which cannot be made from the FP8 data later (NOTE [Block
-        scaling layout]).
-    """
-    if plan.is_first_microbatch is None:        # no cache in use: the plain cast
-        return _cast(weight, plan, state, index, dtype, plan.record_amax, "fwd_weight",
-                     transpose=transpose)
-    if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
-        return _with_transpose(plan.stash.weights[gemm], transpose)
-    cache = fp8_meta.setdefault("fp8_weight_cache", {})
-    found = cache.get(gemm) if plan.is_first_microbatch is False else None
-    if found is None:
-        recipe = plan.recipe
-        rowwise_blocks = recipe.float8_block_scaling() and recipe.w_block_scaling_dim == 1
-        found = _cast(weight, plan, state, index, dtype, plan.record_amax, "fwd_weight",
-                      transpose=transpose or rowwise_blocks)
-    found = _with_transpose(found, transpose)
-    if not plan.recomputing:
-        cache[gemm] = found
-        if plan.stash is not None:
-            plan.stash.weights[gemm] = found
-    return found
-
-
-def _with_transpose(w, transpose: bool):
-    """``(w_fp8, w_fp8^T)`` with the transpose made from the FP8 data if it is missing
-    (a cast made without one, e.g. under no_grad): the very same FP8 values."""
-    if transpose and w[1] is None:
-        return w[0], w[0].t_contiguous()
-    return w
-
-
 class _FP8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 forward, dgrad and wgrad GEMMs.
 
@@ -139,9 +74,10 @@ class _FP8LinearFunction(torch.autograd.Function):
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with no_autocast(x.device.type):
-            x_fp8, x_t = _cast(x, plan, state, i, fmt.dtype_fwd, plan.record_amax, "fwd_inp",
+            x_fp8, x_t = cast_operand(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
+                                      "fwd_inp",
                                transpose=need_wgrad)
-            w_fp8, w_t = _fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
+            w_fp8, w_t = fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
                                      fmt.dtype_fwd, transpose=need_dgrad)
             y = _gemm(x_fp8, w_fp8, out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
@@ -165,7 +101,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         with no_autocast(dy.device.type):
             dy = dy.contiguous()
             # The amax of dy is recorded even when only dbias is needed.
-            dy_fp8, dy_t = _cast(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
+            dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
                                  data=need_dgrad or not need_wgrad, transpose=need_wgrad)
             dgrad = wgrad = dbias = None
             if need_dgrad:
@@ -190,11 +126,14 @@ class _FP8LinearFunction(torch.autograd.Function):
 
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                plan: ForwardPlan, fp8_meta: dict, gemm: int = 0,
-               fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
+               fuse_wgrad_accumulation: bool = False, input_name: str = "input",
+               weight_name: str = "weight") -> torch.Tensor:
     """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
     slots in the module's scaling state. ``fuse_wgrad_accumulation``: the wgrad goes
-    into ``weight.main_grad`` (NOTE [Fused wgrad accumulation] in main_grad.py)."""
+    into ``weight.main_grad`` (NOTE [Fused wgrad accumulation] in main_grad.py).
+    ``input_name`` / ``weight_name`` name the tensors in a shape error (NOTE [FP8
+    shapes] in fp8_shapes.py)."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
@@ -219,10 +158,11 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                         f"of dtype {x.dtype} (use one of {_ACT_DTYPES} or torch.autocast)")
     x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
     # the block-scaling emulation takes any shape (NOTE [Block scaling layout])
-    if (x2d.shape[0] % 16 or in_features % 16 or out_features % 16) \
+    if (x2d.shape[0] % quantize.FP8_HEIGHT_MULTIPLE or in_features % quantize.FP8_WIDTH_MULTIPLE
+            or out_features % quantize.FP8_HEIGHT_MULTIPLE) \
             and not plan.recipe.float8_block_scaling():
-        quantize.check_gemm_shape(api, x2d.shape[0], in_features, out_features,
-                                  f"input of shape {tuple(x.shape)}")
+        quantize.check_fp8_matrix(api, input_name, x.shape)
+        quantize.check_fp8_matrix(api, weight_name, weight.shape)
     y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype,
                                  fuse_wgrad_accumulation)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
@@ -362,8 +302,8 @@ class Linear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         """``inp W^T + b``; ``is_first_microbatch`` as in TE (FP8 weight caching across
-        micro-batches, NOTE [FP8 weight cache]). ``fp8_output`` / ``fp8_grad`` (FP8 tensors out of the
-        module) are not implemented."""
+        micro-batches, NOTE [FP8 weight cache] in fp8_operands.py). ``fp8_output`` /
+        ``fp8_grad`` (FP8 tensors out of the module) are not implemented."""
         api = "te.Linear"
         if not (fp8_output is False and fp8_grad is False and self.save_original_input is False):
             reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
@@ -377,7 +317,7 @@ class Linear(TransformerEngineBaseModule):
             inp = self.tp.column_input(inp)
             row = self.tp.parallel_mode == "row"
             fused_bias = None if (self.return_bias or row) else bias
-            out = fp8_linear(api, inp, weight, fused_bias, plan, self.fp8_meta,
+            out = fp8_linear(self.named_api(api), inp, weight, fused_bias, plan, self.fp8_meta,
                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
             out = self.tp.row_output(out)
         if self.return_bias:
