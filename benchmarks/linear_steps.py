@@ -155,31 +155,27 @@ def timed(make, timer, *args, **kw):
     return timer(prepare(make, *args, **kw)), None
 
 
-def host_wall_us(run, steps: int = 300) -> float:
-    """Host wall time per step (us) over many steps with one sync at the end: for a
-    step whose GPU work is negligible, the host cost of the step."""
-    for _ in range(20):
+def host_wall_us(run, steps: int = 300, warmup: int = 20, wait: bool = True) -> float:
+    """Host wall time per step (us) after ``warmup`` steps. ``wait``: over many steps
+    with one sync at the end (for a step whose GPU work is negligible, the host cost of
+    the step); else up to the last enqueue, without waiting for the GPU, over too few
+    steps to fill the launch queue (the host's cost at any shape)."""
+    for _ in range(warmup):
         run()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
         run()
+    if wait:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e6
+    return elapsed / steps * 1e6
 
 
 def host_enqueue_us(run, steps: int = 10) -> float:
-    """Host time to enqueue one step (us): a few steps timed without waiting for the
-    GPU (too few to fill the launch queue), so it is the host's cost at any shape."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        run()
-    enqueued = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return enqueued / steps * 1e6
+    """Host time to enqueue one step (us), at any shape (`host_wall_us`, no wait)."""
+    return host_wall_us(run, steps, warmup=3, wait=False)
 
 
 def graph_columns(m, k, n, timer, ceiling: float) -> dict:
