@@ -20,6 +20,13 @@ repeats after warm-up (L2 flushed between repeats):
   ``te_fp8_jit``: the same with every Triton launch through Triton's JIT;
   ``te_fp8_unfused``: the same with the torch reference casts and update.
 - ``torchao_fp8``: ``torchao.float8`` tensorwise, ``torch.compile``-d.
+- ``te_fp8_graphed``: ``te.Linear`` captured by ``te.make_graphed_callables`` under the
+  same recipe (the delayed-scaling updates inside the graphs); ``nn_bf16_graphed``:
+  ``torch.nn.Linear`` captured by ``torch.cuda.make_graphed_callables``. Their ratio,
+  next to the ceiling and as a fraction of it, is the second table; with it the host
+  time to enqueue one eager step of ``te_fp8`` and of ``nn_bf16`` (``--no-graphs``
+  leaves these out). ``--shapes graphs`` is the set of that comparison (1024^3,
+  2048^3, 4096^3, 4096x4096x8192).
 
 Before the shapes it measures the host side (nothing profiled yet, since a profiler
 can slow every later launch): one step at 256x256x256, where the GPU work is
@@ -46,113 +53,12 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 
 import torch  # noqa: E402
 
-import transformer_engine.pytorch as te  # noqa: E402
 from common import environment, median_ms, table, write_json  # noqa: E402
-from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
 from transformer_engine.pytorch import quantize  # noqa: E402
 from transformer_engine.pytorch.kernel_config import get_kernel_config, kernel_config  # noqa: E402
-
-DEFAULT_SHAPES = [(m, k, n) for m in (4096, 8192, 16384) for k in (4096, 8192)
-                  for n in (4096, 8192)]
-BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def parse_shapes(text: str):
-    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
-
-
-def _fp8(t, dtype):
-    return t.to(dtype)
-
-
-def bare_gemms(m, k, n, timer):
-    """Forward, dgrad and wgrad as bare GEMMs, bf16 and FP8 (ms each)."""
-    x = torch.randn(m, k, device="cuda", dtype=BF16)
-    w = torch.randn(n, k, device="cuda", dtype=BF16)
-    dy = torch.randn(m, n, device="cuda", dtype=BF16)
-    one = torch.ones((), device="cuda")
-    x8, w8, dy8 = _fp8(x, E4M3), _fp8(w, E4M3), _fp8(dy, E5M2)
-    xt8, wt8, dyt8 = x8.t().contiguous(), w8.t().contiguous(), dy8.t().contiguous()
-    mm = torch._scaled_mm
-    out = {
-        "bf16_fwd": timer(lambda: x @ w.t()),
-        "bf16_dgrad": timer(lambda: dy @ w),
-        "bf16_wgrad": timer(lambda: dy.t() @ x),
-        # as te.Linear runs them: fast accumulation in forward only (as TE does)
-        "fp8_fwd": timer(lambda: mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=BF16,
-                                    use_fast_accum=True)),
-        "fp8_dgrad": timer(lambda: mm(dy8, wt8.t(), scale_a=one, scale_b=one, out_dtype=BF16)),
-        "fp8_wgrad": timer(lambda: mm(dyt8, xt8.t(), scale_a=one, scale_b=one, out_dtype=BF16)),
-    }
-    out["bf16_gemms"] = out["bf16_fwd"] + out["bf16_dgrad"] + out["bf16_wgrad"]
-    out["fp8_gemms"] = out["fp8_fwd"] + out["fp8_dgrad"] + out["fp8_wgrad"]
-    return out
-
-
-def _inputs(m, k, n):
-    x = torch.randn(m, k, device="cuda", dtype=BF16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=BF16)
-    return x, dy
-
-
-def nn_step(m, k, n):
-    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=BF16)
-    x, dy = _inputs(m, k, n)
-
-    def step():
-        lin(x).backward(dy)
-    return step, [x, lin.weight]
-
-
-def te_step(m, k, n, variant="default"):
-    """``variant``: "default", "jit" (every Triton launch through the JIT) or
-    "unfused" (the torch reference casts and update)."""
-    layer = te.Linear(k, n, bias=False, params_dtype=BF16, device="cuda")
-    x, dy = _inputs(m, k, n)
-    recipe = DelayedScaling()
-
-    def step():
-        with te.autocast(enabled=True, recipe=recipe):
-            y = layer(x)
-        y.backward(dy)
-    if variant == "default":
-        return step, [x, layer.weight]
-
-    def step_variant():
-        with kernel_config(fused=variant != "unfused", direct_launch=variant != "jit"):
-            step()
-    return step_variant, [x, layer.weight]
-
-
-def torchao_step(m, k, n):
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    torch._dynamo.reset()    # a static compile per shape, as a fixed-shape run would get
-    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(device="cuda", dtype=BF16)
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
-    weight = model[0].weight
-    model = torch.compile(model)
-    x, dy = _inputs(m, k, n)
-
-    def step():
-        model(x).backward(dy)
-    return step, [x, weight]
-
-
-def prepare(make, *args, **kw):
-    """A step that drops the gradients first (so no variant pays a grad accumulation)."""
-    step, params = make(*args, **kw)
-
-    def run():
-        for p in params:
-            p.grad = None
-        step()
-    run()
-    torch.cuda.synchronize()
-    return run
-
-
-def timed(make, timer, *args, **kw):
-    return timer(prepare(make, *args, **kw)), None
+from linear_steps import (BF16, DEFAULT_SHAPES, E4M3, GRAPH_HEADER, bare_gemms,  # noqa: E402
+                          graph_columns, graph_row, host_wall_us, nn_step, parse_shapes,
+                          prepare, te_step, timed, torchao_step)
 
 
 def profile_steps(runs: dict, iters: int = 5) -> dict:
@@ -202,19 +108,6 @@ def host_profile(run, iters: int = 20) -> dict:
                                                                    "cuLaunchKernel",
                                                                    "cuLaunchKernelEx")),
             "top_self_cpu_us": [{"op": k[:100], "calls": c, "self_us": t} for k, c, t in ops[:25]]}
-
-
-def host_wall_us(run, steps: int = 300) -> float:
-    """Host wall time per step (us) over many steps with one sync at the end: for a
-    step whose GPU work is negligible, the host cost of the step."""
-    for _ in range(20):
-        run()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e6
 
 
 def python_profile(run, steps: int = 300, top: int = 30) -> list:
@@ -304,8 +197,10 @@ TE_VARIANTS = {"te_fp8": "default", "te_fp8_jit": "jit", "te_fp8_unfused": "unfu
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
-                   help="comma-separated MxKxN (default: 12 shapes from 4096^3 to 16384x8192x8192)")
+                   help="comma-separated MxKxN, or 'default' (12 shapes from 4096^3 to "
+                        "16384x8192x8192) or 'graphs' (1024^3 to 4096x4096x8192)")
     p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph columns")
     p.add_argument("--variants", default="te_fp8,te_fp8_jit,te_fp8_unfused",
                    help=f"te variants to time, of {sorted(TE_VARIANTS)}")
     p.add_argument("--profile", type=parse_shapes, default=[], help="MxKxN to profile by kernel")
@@ -357,7 +252,7 @@ def main(argv=None):
     if args.tune:
         result["tune_cast"] = tune_cast(timer)
 
-    rows = []
+    rows, graph_rows = [], []
     for (m, k, n) in args.shapes:
         t0 = time.time()
         r = {"M": m, "K": k, "N": n}
@@ -371,11 +266,14 @@ def main(argv=None):
             except Exception as err:
                 torchao_error = result["torchao_error"] = f"{type(err).__name__}: {err}"[:2000]
                 use_torchao = False
+        r["ceiling_fp8_over_bf16"] = r["bf16_gemms"] / r["fp8_gemms"]
+        if not args.no_graphs:
+            r.update(graph_columns(m, k, n, timer, r["ceiling_fp8_over_bf16"]))
         flops = 6.0 * m * k * n
         r["tflops"] = {key: flops / (r[key] * 1e9) for key in
-                       ["bf16_gemms", "fp8_gemms", "nn_bf16", "torchao_fp8"] + variants if key in r}
+                       ["bf16_gemms", "fp8_gemms", "nn_bf16", "torchao_fp8", "te_fp8_graphed",
+                        "nn_bf16_graphed"] + variants if key in r}
         r["te_over_nn"] = r["nn_bf16"] / r["te_fp8"]
-        r["ceiling_fp8_over_bf16"] = r["bf16_gemms"] / r["fp8_gemms"]
         if "torchao_fp8" in r:
             r["te_over_torchao"] = r["torchao_fp8"] / r["te_fp8"]
         r["seconds"] = time.time() - t0
@@ -391,6 +289,8 @@ def main(argv=None):
                      f"{tf.get('torchao_fp8', float('nan')):.0f}",
                      f"{r['ceiling_fp8_over_bf16']:.2f}", f"{r['te_over_nn']:.2f}",
                      f"{r.get('te_over_torchao', float('nan')):.2f}"])
+        if "te_fp8_graphed" in r:
+            graph_rows.append(graph_row(r))
         write_json(result, "bench_linear", args.out)   # keep partial results
 
     # ---- profilers last ------------------------------------------------------------
@@ -425,6 +325,10 @@ def main(argv=None):
           f"triton {env['triton']}, torchao {env.get('torchao')}")
     print(table(rows, ["MxKxN", "bf16 GEMMs", "fp8 GEMMs", "nn bf16", "te fp8", "te jit",
                        "te unfused", "torchao", "ceiling", "te/nn", "te/ao"]))
+    if graph_rows:
+        print("\nCUDA graphs: ms per step (graphed te FP8 via te.make_graphed_callables, graphed "
+              "nn bf16 via torch.cuda.make_graphed_callables); host us to enqueue an eager step")
+        print(table(graph_rows, GRAPH_HEADER))
 
 
 if __name__ == "__main__":

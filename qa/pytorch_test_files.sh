@@ -28,6 +28,8 @@ TESTS=(
     tests/pytorch/test_recompute_edges.py
     tests/pytorch/test_module_copies.py
     tests/pytorch/test_graph.py
+    tests/pytorch/test_graph_dropout.py
+    tests/pytorch/test_rng_tracker.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_module_api.py

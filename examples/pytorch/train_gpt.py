@@ -9,10 +9,14 @@ scaling. The text is this Python's standard library source, one byte per token.
 
     python examples/pytorch/train_gpt.py                       # FP8, checkpointed
     python examples/pytorch/train_gpt.py --no-fp8              # the FP32 baseline
+    python examples/pytorch/train_gpt.py --device cuda --bf16 --cuda-graphs
     torchrun --nproc-per-node 2 examples/pytorch/train_gpt.py  # data-parallel (DDP)
 
 Under torchrun every rank trains on its own batches and the FP8 amaxes are reduced
 (MAX) over the data-parallel group, so all ranks keep the same FP8 scales.
+With ``--cuda-graphs`` (one CUDA process) the model's forward and backward are
+captured once as CUDA graphs by ``te.make_graphed_callables`` and every step replays
+them (batch and sequence length are fixed); the loss and the optimizer step stay eager.
 compare_runs.py trains three configurations with ``train`` below and checks that
 FP8 with and without checkpointing give bit-identical results.
 """
@@ -57,13 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-amax-reduce", action="store_true",
                    help="under torchrun, let each rank keep its own FP8 amaxes")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay each step's forward and backward as CUDA graphs (one CUDA process)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
+def check_args(args) -> None:
+    """Refuse flag combinations that cannot run, with the reason."""
+    if args.cuda_graphs and args.device != "cuda":
+        raise ValueError(f"--cuda-graphs needs --device cuda (CUDA graphs capture GPU work), "
+                         f"got --device {args.device}")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if args.cuda_graphs and world > 1:
+        raise ValueError("--cuda-graphs runs in one process; under torchrun leave it out")
+    if args.cuda_graphs and args.checkpoint and args.use_reentrant:
+        raise ValueError("--cuda-graphs needs the non-reentrant checkpoint (its recompute is "
+                         "captured in the backward graph); leave out --use-reentrant")
+
+
 def describe(args) -> str:
     precision = ("FP8 + " if args.fp8 else "") + ("BF16" if args.bf16 else "FP32")
-    return f"{precision}, {'checkpointed' if args.checkpoint else 'no checkpointing'}"
+    graphs = ", CUDA graphs" if getattr(args, "cuda_graphs", False) else ""
+    return f"{precision}, {'checkpointed' if args.checkpoint else 'no checkpointing'}{graphs}"
 
 
 # ---- data -------------------------------------------------------------------------
@@ -139,6 +159,18 @@ def cross_entropy(model, x, y, bf16: bool) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def capture_cuda_graphs(model, sample_tokens, bf16: bool) -> float:
+    """Capture the model's training forward and backward as CUDA graphs; later training
+    calls replay them (evaluation runs eagerly). Each layer's FP8 autocast is opened
+    inside the model, so the graphs are made with FP8 off at the top; the torch.autocast
+    of training is captured with them (without its weight cache, which a graph could
+    not keep). Returns the seconds it took."""
+    start = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+        te.make_graphed_callables(model, (sample_tokens,))
+    return time.perf_counter() - start
+
+
 @torch.no_grad()
 def evaluate(model, tokens, args, device, batches=8) -> float:
     """Mean loss on fixed validation batches (the same in every run and on every rank)."""
@@ -158,6 +190,7 @@ def train(args, after_step=None):
     """Train one model as ``args`` say. ``after_step(step, model, loss)`` runs after
     every optimizer step. Returns the model and a log: the training loss of every
     step, the validation loss at a tenth of the run, tokens per second."""
+    check_args(args)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = torch.device(args.device, torch.cuda.current_device() if args.device == "cuda" else None)
     tokens = load_tokens(args.data)
@@ -176,7 +209,10 @@ def train(args, after_step=None):
     ], milestones=[warmup])
     batches = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batches
 
-    log = {"train_loss": [], "val_loss": [], "seconds": 0.0}
+    log = {"train_loss": [], "val_loss": [], "seconds": 0.0, "step_seconds": []}
+    if args.cuda_graphs:                            # any batch of the fixed shape will do
+        sample, _ = get_batch(train_tokens, args, torch.Generator().manual_seed(args.seed))
+        log["capture_seconds"] = capture_cuda_graphs(model, sample.to(device), args.bf16)
     step = 0
     with tqdm(total=args.steps, desc=describe(args), unit="step",
               disable=args.quiet or rank != 0) as bar:
@@ -194,7 +230,8 @@ def train(args, after_step=None):
                     dist.all_reduce(loss)
                     loss /= world
                 log["train_loss"].append(loss.item())
-                log["seconds"] += time.perf_counter() - start
+                log["step_seconds"].append(time.perf_counter() - start)
+                log["seconds"] += log["step_seconds"][-1]
                 if step % max(1, args.steps // 10) == 0 or step == args.steps:
                     log["val_loss"].append([step, evaluate(model, val_tokens, args, device)])
                 if after_step is not None:
@@ -208,7 +245,12 @@ def train(args, after_step=None):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as err:
+        parser.error(str(err))
     if "WORLD_SIZE" in os.environ:                  # started by torchrun
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -216,8 +258,10 @@ def main(argv=None):
     try:
         _, log = train(args)
         if not dist.is_initialized() or dist.get_rank() == 0:
+            captured = (f" (CUDA graphs captured in {log['capture_seconds']:.1f} s)"
+                        if "capture_seconds" in log else "")
             print(f"{describe(args)}: validation loss {log['val_loss'][-1][1]:.4f}, "
-                  f"{log['tokens_per_s']:,.0f} tokens/s")
+                  f"{log['tokens_per_s']:,.0f} tokens/s{captured}")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -120,6 +120,33 @@ def assert_runs_equal(ref, got, what=""):
         assert_states_equal(a.states, b.states, f"{where}: FP8 state")
 
 
+def cuda_inputs(shape, step):
+    """The input of one step of a CUDA training run (its own generator: the default
+    generator's draws stay those of the model)."""
+    g = torch.Generator(device="cuda").manual_seed(100 + step)
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * (1 + step)
+
+
+def train_steps(model, shape, run, steps, accumulate=False):
+    """``run(model, x)`` for each step on `cuda_inputs`, loss backward, SGD step; one
+    `Step` record per step (loss, input and parameter gradients, FP8 state).
+    ``accumulate``: a second micro-batch into the same ``.grad`` before the record."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    record = []
+    for step in range(steps):
+        x = cuda_inputs(shape, step).requires_grad_()
+        y = run(model, x)
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        if accumulate:
+            y2 = run(model, cuda_inputs(shape, step + 50).requires_grad_())
+            y2.float().pow(2).mean().backward()
+        record.append(capture(loss, [x], model.parameters(), te_modules(model)))
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
 def linears(n, features=32, seed=0, device="cpu"):
     """``n`` te.Linear layers with their delayed-scaling state already made (scale 1,
     empty history: what their first FP8 forward would make), so scales can be read

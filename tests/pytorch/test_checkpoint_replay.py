@@ -32,9 +32,9 @@ TRACKER_STATE = "model-parallel-rng"
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_dropout_masks_are_replayed(use_reentrant, rng, device):
     """Between each forward and its backward every generator moves on (draws from the
-    default generator and the tracker, and an in-place overwrite of the tracker state
-    tensor the checkpoint call saw), so the recompute gets the phase-1 masks only if it
-    replays copies of the states saved at the call."""
+    default generator and the tracker, and an in-place overwrite of the tracker's
+    generator the checkpoint call saw), so the recompute gets the phase-1 masks only if
+    it replays copies of the states saved at the call."""
     def run(checkpointed):
         a, b = linears(2, device=device)
         opt = torch.optim.SGD(params([a, b]), lr=0.1)
@@ -62,7 +62,7 @@ def test_dropout_masks_are_replayed(use_reentrant, rng, device):
             torch.rand(8, device=device)
             with tracker.fork():
                 torch.rand(8, device=device)
-            state_at_call.copy_(other_state)
+            state_at_call.set_state(other_state)
             loss = y.float().pow(2).mean()
             loss.backward()
             record.append(capture(loss, [x], params([a, b]), [a, b]))
@@ -85,7 +85,7 @@ def test_dropout_masks_are_replayed(use_reentrant, rng, device):
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_tracker_state_saved_as_copy(use_reentrant):
     """The states a checkpoint call saves for its recompute are copies: overwriting the
-    tracker's tensors in place after the call does not reach the recompute."""
+    tracker's generators in place after the call does not reach the recompute."""
     (layer,) = linears(1)
     tracker = te.CudaRNGStatesTracker(device="cpu")
     tracker.add(TRACKER_STATE, 5)
@@ -100,9 +100,9 @@ def test_tracker_state_saved_as_copy(use_reentrant):
     x = torch.randn(16, 32, requires_grad=True)
     seen_at_call = tracker.states_[TRACKER_STATE]
     y = te.checkpoint(region, x, use_reentrant=use_reentrant, get_rng_state_tracker=lambda: tracker)
-    seen_at_call.copy_(torch.Generator().manual_seed(1).get_state())
+    seen_at_call.set_state(torch.Generator().manual_seed(1).get_state())
     for state in tracker.states_.values():
-        state.copy_(torch.Generator().manual_seed(2).get_state())
+        state.set_state(torch.Generator().manual_seed(2).get_state())
     y.sum().backward()
     assert len(masks) == 2 and torch.equal(masks[0], masks[1])
 

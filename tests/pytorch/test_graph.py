@@ -11,7 +11,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from helpers import RECIPE, assert_runs_equal, capture, cuda_fp8, te_modules
+from helpers import RECIPE, assert_runs_equal, cuda_fp8, cuda_inputs, te_modules, train_steps
 
 RECIPES = [pytest.param(RECIPE, id="delayed"), pytest.param(Float8CurrentScaling(), id="current")]
 STEPS = 5
@@ -75,28 +75,8 @@ def _build(kind):
                                self_attn_mask_type="causal", **kw), (16, 2, 64)
 
 
-def _inputs(shape, step):
-    g = torch.Generator(device="cuda").manual_seed(100 + step)
-    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * (1 + step)
-
-
 def _train(model, shape, run, steps=STEPS, accumulate=False):
-    """``run(model, x)`` for each step, loss backward, optimizer step; per step: loss,
-    input and parameter gradients, every TE module's FP8 state."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    record = []
-    for step in range(steps):
-        x = _inputs(shape, step).requires_grad_()
-        y = run(model, x)
-        loss = y.float().pow(2).mean()
-        loss.backward()
-        if accumulate:                      # a second micro-batch into the same .grad
-            y2 = run(model, _inputs(shape, step + 50).requires_grad_())
-            y2.float().pow(2).mean().backward()
-        record.append(capture(loss, [x], model.parameters(), te_modules(model)))
-        opt.step()
-        opt.zero_grad()
-    return record
+    return train_steps(model, shape, run, steps, accumulate)
 
 
 @cuda_fp8
@@ -111,7 +91,7 @@ def test_graphed_steps_equal_eager_steps(kind, recipe):
             return m(x)
 
     ref = _train(eager_model, shape, eager)
-    graphed = te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),),
+    graphed = te.make_graphed_callables(model, (cuda_inputs(shape, 0).requires_grad_(),),
                                         enabled=True, recipe=recipe)
     assert graphed is model
     got = _train(model, shape, lambda m, x: m(x))
@@ -133,7 +113,7 @@ def test_gradient_accumulation_into_grad():
             return m(x)
 
     ref = _train(eager_model, shape, eager, steps=3, accumulate=True)
-    te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
+    te.make_graphed_callables(model, (cuda_inputs(shape, 0).requires_grad_(),), enabled=True,
                               recipe=RECIPE)
     got = _train(model, shape, lambda m, x: m(x), steps=3, accumulate=True)
     assert_runs_equal(ref, got)
@@ -167,7 +147,7 @@ def test_checkpoint_inside_a_graphed_callable():
     eager_model = copy.deepcopy(model)
     shape = (32, 64)
     ref = _train(eager_model, shape, lambda m, x: m(x))
-    te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),))
+    te.make_graphed_callables(model, (cuda_inputs(shape, 0).requires_grad_(),))
     got = _train(model, shape, lambda m, x: m(x))
     assert_runs_equal(ref, got)
 
@@ -180,7 +160,7 @@ def test_reentrant_checkpoint_inside_a_graphed_callable_is_refused():
     model = CheckpointedBlock(use_reentrant=True)
     with pytest.raises(RuntimeError, match=r"te.checkpoint\(use_reentrant=True\) does not work "
                                            r"with torch.autograd.grad"):
-        te.make_graphed_callables(model, (_inputs((32, 64), 0).requires_grad_(),))
+        te.make_graphed_callables(model, (cuda_inputs((32, 64), 0).requires_grad_(),))
     histories = [m.fp8_meta[k].amax_history for m in te_modules(model)
                  for k in ("scaling_fwd", "scaling_bwd") if k in m.fp8_meta]
     assert histories and all(not h.any() for h in histories)
@@ -192,7 +172,7 @@ def test_tuple_of_callables_shares_one_pool():
     kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
     a, b = te.Linear(64, 64, **kw), te.Linear(64, 64, **kw)
     ea, eb = copy.deepcopy(a), copy.deepcopy(b)
-    x0 = _inputs((32, 64), 0).requires_grad_()
+    x0 = cuda_inputs((32, 64), 0).requires_grad_()
     ga, gb = te.make_graphed_callables((a, b), ((x0,), (a(x0).detach().requires_grad_(),)),
                                        enabled=True, recipe=RECIPE)
 
@@ -212,9 +192,9 @@ def test_tuple_of_callables_shares_one_pool():
 @cuda_fp8
 def test_eval_and_no_grad_run_eagerly():
     model, shape = _build("Linear")
-    te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
+    te.make_graphed_callables(model, (cuda_inputs(shape, 0).requires_grad_(),), enabled=True,
                               recipe=RECIPE)
-    x = _inputs(shape, 1)
+    x = cuda_inputs(shape, 1)
     with torch.no_grad():
         y = model(x)
         with te.autocast(recipe=RECIPE):
@@ -242,7 +222,7 @@ def test_host_sync_in_the_callable_fails_at_capture():
         return y
 
     with pytest.raises(RuntimeError, match="capturing the forward of callable 0 failed"):
-        te.make_graphed_callables(syncing, (_inputs(shape, 0).requires_grad_(),), enabled=True)
+        te.make_graphed_callables(syncing, (cuda_inputs(shape, 0).requires_grad_(),), enabled=True)
     # The failed capture leaves no generator marked as capturing: random ops still run.
     assert torch.randn(4, device="cuda").isfinite().all()
 
@@ -255,7 +235,7 @@ def test_gloo_amax_group_is_refused():
         model, shape = _build("Linear")
         with pytest.raises(RuntimeError, match="'gloo' backend, whose collectives cannot be "
                                                "captured"):
-            te.make_graphed_callables(model, (_inputs(shape, 0).requires_grad_(),), enabled=True,
+            te.make_graphed_callables(model, (cuda_inputs(shape, 0).requires_grad_(),), enabled=True,
                                       amax_reduction_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()

@@ -99,6 +99,39 @@ def test_fp8_with_and_without_checkpointing_are_bit_identical(layer_forwards, mo
     assert ckpt["saved_activations_mb"] < plain["saved_activations_mb"] / 3
 
 
+def test_cuda_graphs_on_the_cpu_fail_with_a_clear_message(capsys):
+    with pytest.raises(SystemExit) as stop:
+        tg.main([*TINY, "--cuda-graphs"])
+    assert stop.value.code == 2
+    assert ("--cuda-graphs needs --device cuda (CUDA graphs capture GPU work), got --device cpu"
+            in capsys.readouterr().err)
+    with pytest.raises(ValueError, match="--cuda-graphs needs --device cuda"):
+        tg.train(tiny_args("--cuda-graphs"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graphs_with_reentrant_checkpointing_fail_with_a_clear_message():
+    with pytest.raises(ValueError, match="needs the non-reentrant checkpoint"):
+        tg.train(tiny_args("--device", "cuda", "--cuda-graphs", "--use-reentrant"))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--no-fp8", "--bf16"]],
+                         ids=["fp8-fp32", "fp8-bf16", "bf16"])
+def test_cuda_graphs_train_as_the_eager_steps_do(precision):
+    """--cuda-graphs replays the forward and backward (dropout 0.05 in checkpointed
+    layers): the loss after every step and every FP8 scale equal the eager run's bit
+    for bit (deterministic kernels in both, as compare_runs.py uses)."""
+    args = tiny_args("--device", "cuda", "--steps", "5", *precision)
+    with cr.deterministic_kernels(True):
+        eager = cr.run(args)
+        graphed = cr.run(args, cuda_graphs=True)
+    assert graphed["label"].endswith(", CUDA graphs") and graphed["capture_seconds"] > 0
+    assert cr.bit_identical(eager, graphed)
+    assert len(graphed["train_loss"]) == 5
+
+
 def test_bit_identical_compares_every_step_and_every_scale():
     scales = [torch.ones(6), torch.full((6,), 2.0)]
     a = {"train_loss": [5.0, 4.0], "fp8_scales": scales}

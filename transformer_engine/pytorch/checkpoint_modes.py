@@ -58,6 +58,7 @@ class _CheckpointCall:
         self.frame = RecomputeFrame()
         self.training = recompute.is_training_forward()   # inherited inside a reentrant phase 1
         self.rng = RngSnapshot(tracker)
+        self.frame.rng_graph_safe = self.rng.graph_safe
         self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()
         self.autocast = _autocast_snapshot()
         self.user_forward_ctx, self.user_recompute_ctx = _user_contexts(context_fn)

@@ -20,8 +20,11 @@ NOTE [Graphed FP8 state]
     setting. ``te.checkpoint(use_reentrant=False)`` inside a graphed callable has its
     recompute captured in the backward graph; the reentrant checkpoint cannot be
     captured (its recompute runs a nested backward, which ``torch.autograd.grad``
-    refuses), and dropout of TE modules inside a graphed checkpointed region is refused
-    (its recompute could not replay the masks: rng.py).
+    refuses). Random numbers (dropout, also in checkpointed regions, from torch's
+    default generator or a `CudaRNGStatesTracker`) are drawn graph-safe (NOTE
+    [Graph-safe RNG] in graph_rng.py): the forward is captured in segments split at
+    each checkpoint call, and every replay draws the masks an eager step from the same
+    generator states draws. The RNG states the warm-up used are put back too.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import torch
 from ..common.recipe import Recipe
 from .amax_update import observe_registrations
 from .fp8 import FP8GlobalStateManager, _AutocastState, autocast
+from .graph_rng import GraphRng
+from .rng import rng_states_restored
 from .scaling import ScalingState
 from .utils import check_process_group, flatten_nested, rebuild_nested
 
@@ -171,14 +176,14 @@ class _GraphedCallable:
     """One captured callable: static inputs and outputs, its two graphs, and the
     autograd Function that replays them."""
 
-    def __init__(self, fn, args, kwargs, setting: _FP8Setting):
-        self.fn, self.setting = fn, setting
+    def __init__(self, fn, args, kwargs, setting: _FP8Setting, rng: GraphRng):
+        self.fn, self.setting, self.rng = fn, setting, rng
         # the module's own forward, for eager calls once ``forward`` is this object
         self.eager = fn.forward if isinstance(fn, torch.nn.Module) else fn
         self.keys = tuple(kwargs)
         self.static_inputs = tuple(args) + tuple(kwargs[k] for k in self.keys)
         self.grad_inputs = _grad_inputs(fn, self.static_inputs)
-        self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.bwd_graph = torch.cuda.CUDAGraph()     # the forward graphs are self.rng.segments
         self.out_spec = None
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
@@ -192,8 +197,8 @@ class _GraphedCallable:
                           **dict(zip(self.keys, self.static_inputs[n:])))
         return out
 
-    def capture_forward(self, pool) -> None:
-        with torch.cuda.graph(self.fwd_graph, pool=pool):
+    def capture_forward(self) -> None:
+        with self.rng.capture_forward():
             out = self.run_forward()
         leaves, self.out_spec = flatten_nested(out)
         if not all(torch.is_tensor(t) for t in leaves):
@@ -201,10 +206,10 @@ class _GraphedCallable:
                             f"or dicts), got {[type(t).__name__ for t in leaves]}")
         self.static_outputs = tuple(leaves)
 
-    def capture_backward(self, pool, allow_unused: bool, retain_graph: bool) -> None:
+    def capture_backward(self, allow_unused: bool, retain_graph: bool) -> None:
         self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
                                          for o in self.static_outputs)
-        with torch.cuda.graph(self.bwd_graph, pool=pool):
+        with self.rng.capture_backward(self.bwd_graph):
             self.static_grad_inputs = _backward(self.static_outputs, self.grad_inputs,
                                                 self.static_grad_outputs, allow_unused,
                                                 retain_graph)
@@ -226,7 +231,7 @@ class _GraphedCallable:
                 for static, given in zip(graphed.static_inputs, inputs):
                     if static.data_ptr() != given.data_ptr():
                         static.copy_(given)
-                graphed.fwd_graph.replay()
+                ctx.rng_states = graphed.rng.replay_forward()
                 return tuple(o.detach() for o in graphed.static_outputs)
 
             @staticmethod
@@ -238,6 +243,7 @@ class _GraphedCallable:
                             static.zero_()
                         elif static.data_ptr() != g.data_ptr():
                             static.copy_(g)
+                graphed.rng.prepare_backward(ctx.rng_states)
                 graphed.bwd_graph.replay()
                 return graphed.static_grad_inputs
 
@@ -281,7 +287,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
                            calibrating=_UNSET, recipe=_UNSET, amax_reduction_group=_UNSET,
                            cache_quantized_params=_UNSET):
     """Capture callables' training forward and backward as CUDA graphs, with FP8 state
-    updates inside the graphs (NOTE [Graphed FP8 state]).
+    updates inside the graphs (NOTE [Graphed FP8 state]) and graph-safe dropout: each
+    replay draws fresh masks from torch's default CUDA generator and the states of
+    every `CudaRNGStatesTracker` alive at the call, as an eager step would, also in
+    non-reentrant ``te.checkpoint`` regions (NOTE [Graph-safe RNG]).
 
     Parameters
     ----------
@@ -347,14 +356,16 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     if enabled or calibrating:
         _check_group(group)
     setting = _FP8Setting(enabled, calibrating, recipe, group)
-    graphed = [_GraphedCallable(fn, a, k, setting) for fn, a, k in zip(callables, args, kwargs)]
-    _warm_up(graphed, num_warmup_iters, allow_unused_input)
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()                  # one capture stream for the shared pool
+    graphed = [_GraphedCallable(fn, a, k, setting, GraphRng(pool, stream))
+               for fn, a, k in zip(callables, args, kwargs)]
+    _warm_up(graphed, num_warmup_iters, allow_unused_input)
     torch.cuda.synchronize()
     for i, g in enumerate(graphed):
-        _capturing(i, "forward", g.capture_forward, pool)
+        _capturing(i, "forward", g.capture_forward)
     for i, g in reversed(list(enumerate(graphed))):
-        _capturing(i, "backward", g.capture_backward, pool, allow_unused_input,
+        _capturing(i, "backward", g.capture_backward, allow_unused_input,
                    retain_graph_in_backward)
     torch.cuda.synchronize()
     results = []
@@ -369,12 +380,13 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
 
 def _warm_up(graphed: List[_GraphedCallable], iters: int, allow_unused: bool) -> None:
     """Eager iterations on a side stream (allocations, autotuning, FP8 state creation),
-    then every FP8 state they changed put back."""
+    then every FP8 state they changed, and the RNG states they drew from, put back."""
     restorer = _StateRestorer()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(stream), observe_registrations(restorer.observe):
+        with torch.cuda.stream(stream), observe_registrations(restorer.observe), \
+                rng_states_restored(torch.device("cuda", torch.cuda.current_device())):
             for _ in range(iters):
                 for g in graphed:
                     leaves, _ = flatten_nested(g.run_forward())

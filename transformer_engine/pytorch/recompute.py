@@ -87,7 +87,8 @@ _LIVE_FRAMES: "weakref.WeakSet[RecomputeFrame]" = weakref.WeakSet()
 class RecomputeFrame:
     """The stashes and module modes of one checkpoint call (NOTE [Recompute stashes])."""
 
-    __slots__ = ("stashes", "metas", "cursor", "modes", "replaced_modes", "__weakref__")
+    __slots__ = ("stashes", "metas", "cursor", "modes", "replaced_modes", "rng_graph_safe",
+                 "__weakref__")
 
     def __init__(self):
         self.stashes: Dict[int, List[RecomputeStash]] = {}
@@ -97,6 +98,8 @@ class RecomputeFrame:
         self.modes: Dict[int, Tuple[torch.nn.Module, bool]] = {}
         # id(module) -> (module, the flag it had before this recompute set it)
         self.replaced_modes: Dict[int, Tuple[torch.nn.Module, bool]] = {}
+        # whether the call's recompute can replay its RNG states inside a CUDA graph (rng.py)
+        self.rng_graph_safe = True
         _LIVE_FRAMES.add(self)
 
     def add(self, fp8_meta: dict, entry: RecomputeStash) -> int:

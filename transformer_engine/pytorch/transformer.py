@@ -29,7 +29,6 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import recompute
 from .attention import MultiheadAttention
 from .attention.masks import canonical_mask_type, check_window_size
 from .fp8 import FP8GlobalStateManager
@@ -236,8 +235,8 @@ class TransformerLayer(torch.nn.Module):
         if not self.training or (self.hidden_dropout == 0.0
                                  and (self.drop_path_rate == 0.0 or not drop_path)):
             return residual + x
-        check_dropout_replayable("te.TransformerLayer", self.hidden_dropout, x,
-                                 recompute.in_region())
+        check_dropout_replayable("te.TransformerLayer", max(
+            self.hidden_dropout, self.drop_path_rate if drop_path else 0.0), x)
         if self.hidden_dropout > 0.0:
             x = F.dropout(x, p=self.hidden_dropout, training=True)
         if drop_path and self.drop_path_rate > 0.0:

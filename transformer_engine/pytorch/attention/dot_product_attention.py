@@ -14,7 +14,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import distributed, recompute
+from .. import distributed
 from ..rng import check_dropout_replayable
 from ..tensor_parallel import get_distributed_world_size
 from ..utils import check_process_group
@@ -223,7 +223,7 @@ class DotProductAttention(torch.nn.Module):
     def _attend(self, q, k, v, fmt: str, mask: CoreMask, bias: Optional[torch.Tensor]):
         """The core on ``fmt`` tensors: what ``checkpoint_core_attention`` recomputes."""
         p = self.attention_dropout if self.training else 0.0
-        check_dropout_replayable("te.DotProductAttention", p, q, recompute.in_region())
+        check_dropout_replayable("te.DotProductAttention", p, q)
         to_bhsd = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
         with self._dropout_context(p):
             out = self._sdpa(*(t.permute(*to_bhsd) for t in (q, k, v)), mask, bias, p)
@@ -235,7 +235,7 @@ class DotProductAttention(torch.nn.Module):
     def _attend_packed(self, q, k, v, layout, mask_type: str, window):
         """``thd``: attention per sequence (NOTE [Packed sequences])."""
         p = self.attention_dropout if self.training else 0.0
-        check_dropout_replayable("te.DotProductAttention", p, q, recompute.in_region())
+        check_dropout_replayable("te.DotProductAttention", p, q)
         width = q.shape[1] * v.shape[-1]
         causal = causal_kind(mask_type)
         seq_type = {None: "no_mask", "top_left": "causal", "bottom_right": "causal_bottom_right"}

@@ -1,0 +1,96 @@
+"""Training throughput of the example GPT (examples/pytorch/train_gpt.py) in FP8 and
+in BF16, eager and with ``--cuda-graphs``, at two model widths.
+
+One command (on a Hopper GPU, from the repository root)::
+
+    python3 benchmarks/bench_train_gpt.py
+
+For each hidden size of ``--hiddens`` (``--layers`` layers, ``--heads`` heads, every
+layer checkpointed, dropout as train_gpt.py's default) it trains ``--steps`` steps
+with ``train_gpt.train`` four ways: FP8 (the middle layers; the rest in BF16) and BF16,
+each eager and graphed. A step is timed from the batch to ``loss.item()`` (the optimizer
+step included, validation not); tokens/s is taken from the median step time over the
+steps after the first ``--skip`` (compilation and autotuning), and the time to capture
+the graphs is reported apart. Other train_gpt.py flags (``--batch``, ``--seq-len``,
+``--lr``...) pass through. The table is printed last; the JSON goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks"), os.path.join(_ROOT, "examples", "pytorch")]
+
+import torch  # noqa: E402
+
+from common import environment, table, write_json  # noqa: E402
+from train_gpt import build_parser, describe, train  # noqa: E402
+
+CONFIGS = {"fp8": dict(fp8=True, bf16=True), "bf16": dict(fp8=False, bf16=True)}
+
+
+def run(args, hidden: int, precision: str, graphs: bool, skip: int) -> dict:
+    config = argparse.Namespace(**{**vars(args), **CONFIGS[precision], "hidden": hidden,
+                                   "cuda_graphs": graphs})
+    torch.cuda.empty_cache()
+    _, log = train(config)
+    steady = log["step_seconds"][skip:] or log["step_seconds"]
+    step_s = statistics.median(steady)
+    return {"hidden": hidden, "precision": precision, "cuda_graphs": graphs,
+            "label": describe(config), "median_step_ms": step_s * 1e3,
+            "tokens_per_s": config.batch * config.seq_len / step_s,
+            "tokens_per_s_all_steps": log["tokens_per_s"],
+            "capture_seconds": log.get("capture_seconds"),
+            "final_train_loss": log["train_loss"][-1], "final_val_loss": log["val_loss"][-1][1],
+            "step_seconds": log["step_seconds"]}
+
+
+def main(argv=None):
+    parser = build_parser()
+    parser.description = __doc__.split("\n\n")[0]
+    parser.set_defaults(device="cuda", steps=40, layers=8, heads=8, quiet=True)
+    parser.add_argument("--hiddens", default="512,1024", help="comma-separated hidden sizes")
+    parser.add_argument("--skip", type=int, default=5, help="steps left out of the median")
+    parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_train_gpt.py: needs a CUDA GPU")
+    hiddens = [int(h) for h in args.hiddens.split(",") if h]
+    out, skip = args.out, args.skip
+    for name in ("hiddens", "skip", "out"):
+        delattr(args, name)
+    result = {"env": environment(), "args": vars(args), "hiddens": hiddens, "runs": []}
+    for hidden in hiddens:
+        for precision in CONFIGS:
+            for graphs in (False, True):
+                r = run(args, hidden, precision, graphs, skip)
+                result["runs"].append(r)
+                print(f"  hidden {hidden} {r['label']}: {r['tokens_per_s']:,.0f} tokens/s, "
+                      f"{r['median_step_ms']:.2f} ms/step", flush=True)
+                write_json(result, "bench_train_gpt", out)        # keep partial results
+    path = write_json(result, "bench_train_gpt", out)
+    rows = []
+    for hidden in hiddens:
+        runs = {(r["precision"], r["cuda_graphs"]): r for r in result["runs"] if r["hidden"] == hidden}
+        for precision in CONFIGS:
+            eager, graphed = runs[(precision, False)], runs[(precision, True)]
+            rows.append([hidden, precision, f"{eager['tokens_per_s']:,.0f}",
+                         f"{graphed['tokens_per_s']:,.0f}",
+                         f"{graphed['tokens_per_s'] / eager['tokens_per_s']:.2f}",
+                         f"{graphed['tokens_per_s'] / runs[('bf16', True)]['tokens_per_s']:.2f}",
+                         f"{graphed['capture_seconds']:.1f}",
+                         f"{eager['final_val_loss']:.4f} / {graphed['final_val_loss']:.4f}"])
+    print(f"\nexample GPT, {args.layers} layers, {args.heads} heads, batch {args.batch} x seq "
+          f"{args.seq_len}, {args.steps} steps, {result['env']['card']}, torch "
+          f"{result['env']['torch']}: tokens/s from the median step")
+    print(table(rows, ["hidden", "precision", "eager tok/s", "graphed tok/s", "graphed/eager",
+                       "graphed / bf16 graphed", "capture s", "val loss eager / graphed"]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
