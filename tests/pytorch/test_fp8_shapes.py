@@ -269,10 +269,14 @@ def test_checkpoint_is_bit_identical_on_a_padded_shape(use_reentrant, scaled_mm_
 
 
 @cuda_fp8
-@pytest.mark.parametrize("make, x_shape, args", MODULES)
+@pytest.mark.parametrize("make, x_shape, args",
+                         [m for m in MODULES if m.id != "lnmlp"])
 def test_cuda_runs_padded_shapes_like_the_cpu(make, x_shape, args, scaled_mm_calls):
     """On the GPU, ``torch._scaled_mm`` gets operands padded to multiples of 16 and the
-    module matches the CPU's exact run (the forward GEMM uses fast accumulation)."""
+    module matches the CPU's exact run (the forward GEMM uses fast accumulation).
+    LayerNormMLP is left to the CPU tests of the padded path: the GELU between its
+    GEMMs rounds differently on the two devices, so its second GEMM gets different FP8
+    operands (seen on an H200), not a padding error."""
     cpu = _one_step(make, x_shape, args)
 
     def make_cuda():

@@ -112,7 +112,7 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
         raise NotImplementedError("FP8GlobalStateManager.set_skip_fp8_weight_update_tensor: "
                                   "the device-side weight cache is not implemented for "
                                   "Float8BlockScaling; capture without the skip flag")
-    keep = plan.skip_weight_update.reshape(()) != 0
+    keep = plan.skip_weight_update.reshape(()).to(weight.device) != 0
     amax_value = quantize.amax(weight)
     if plan.delayed:
         scale = state.scale
