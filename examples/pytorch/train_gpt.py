@@ -154,9 +154,7 @@ class GPT(torch.nn.Module):
 
 
 def cross_entropy(model, x, y, bf16: bool) -> torch.Tensor:
-    # No autocast weight cache: a CUDA graph cannot keep one, and eager and graphed
-    # steps are to compute the same bits.
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(x)
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
