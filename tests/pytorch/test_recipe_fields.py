@@ -201,7 +201,7 @@ def test_fp8_attention_flags_are_refused_when_enabled(flag, cls):
         with te.autocast(recipe=recipe):
             raise AssertionError("the autocast must refuse the recipe")
     with te.autocast(enabled=False, recipe=recipe):     # FP8 off: nothing runs it
-        pass
+        assert not te.FP8GlobalStateManager.is_fp8_enabled()
     setattr(recipe, flag, False)
     with te.autocast(recipe=recipe):
         assert te.FP8GlobalStateManager.is_fp8_enabled()

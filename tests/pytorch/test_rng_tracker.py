@@ -103,7 +103,7 @@ def test_add_and_fork_misuse():
         tracker.add("other", 77)
     with pytest.raises(KeyError, match="no state named 'other'"):
         with tracker.fork("other"):
-            pass
+            raise AssertionError("fork must refuse an unknown state")
 
 
 def test_reset_forgets_states_and_seeds():
@@ -133,7 +133,7 @@ def test_fork_in_a_foreign_capture_is_refused():
     with pytest.raises(RuntimeError, match="te.make_graphed_callables did not start"):
         with torch.cuda.graph(graph):
             with tracker.fork():
-                pass
+                raise AssertionError("fork must refuse a foreign capture")
     assert not torch.cuda.is_current_stream_capturing()
 
 
