@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
@@ -99,6 +100,39 @@ def test_graphed_steps_equal_eager_steps(kind, recipe):
     if recipe.delayed():
         first = te_modules(model)[0]
         assert first.fp8_meta["scaling_fwd"].amax_history.count_nonzero() > 0
+
+
+@cuda_fp8
+@pytest.mark.parametrize("fp8", [pytest.param(False, id="bf16"), pytest.param(True, id="fp8")])
+def test_graphed_steps_under_torch_autocast_equal_eager_steps(fp8):
+    """Float32 parameters under torch.autocast(bfloat16), the loss's backward outside the
+    autocast (as torch advises): the captured backward runs outside it too, and every
+    gradient equals the eager one bit for bit. The math attention computes in float32
+    inside; its backward, run under the autocast, would be recast to bfloat16."""
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(
+        te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                            self_attn_mask_type="causal", device="cuda"),
+        te.LayerNorm(64, device="cuda"), te.Linear(64, 64, device="cuda"))
+    eager_model = copy.deepcopy(model)
+    shape = (16, 2, 64)
+
+    def eager(m, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16), te.autocast(enabled=fp8,
+                                                                       recipe=RECIPE):
+            return m(x)
+
+    def graphed(m, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(x)
+
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = _train(eager_model, shape, eager)
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            te.make_graphed_callables(model, (cuda_inputs(shape, 0).requires_grad_(),),
+                                      enabled=fp8, recipe=RECIPE)
+        got = _train(model, shape, graphed)
+    assert_runs_equal(ref, got)
 
 
 @cuda_fp8

@@ -11,7 +11,10 @@ NOTE [Graphed FP8 state]
     one ``torch.autograd.grad`` pass, at whose end the backward update runs (NOTE
     [Delayed-scaling update order] in amax_update.py), so it is inside the backward
     graph too. A replay therefore does what an eager training step of the callable
-    does, in place on the same state tensors, with no host work per module.
+    does, in place on the same state tensors, with no host work per module. The
+    backward is captured with ``torch.autocast`` off, as a ``loss.backward()`` called
+    after leaving the autocast runs (torch's advice): captured inside it, the backward
+    ops would be recast to 16 bits and the gradients would differ from eager ones.
     Warm-up iterations run eagerly before the capture and change the FP8 state;
     every state a module registered during warm-up is put back afterwards (in place:
     the graphs read those tensors), so the first replay starts where an eager run
@@ -164,10 +167,12 @@ def _grad_inputs(fn, args: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
 
 
 def _backward(outputs, inputs, grad_outputs, allow_unused: bool, retain_graph: bool):
+    """The callable's backward, outside any ``torch.autocast`` (NOTE [Graphed FP8 state])."""
     pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
     wanted = [t for t in inputs if t.requires_grad]
-    grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                allow_unused=allow_unused, retain_graph=retain_graph)
+    with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                    allow_unused=allow_unused, retain_graph=retain_graph)
     found = iter(grads)
     return tuple(next(found) if t.requires_grad else None for t in inputs)
 
