@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch.amax_update import CUDA_CHECK_EVERY
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+from helpers import cuda_fp8
 
 RECIPE = DelayedScaling(amax_history_len=16)
 E4M3_MAX = 448.0
@@ -74,6 +76,32 @@ def test_count_and_warning_once():
     assert FP8GlobalStateManager.get_non_finite_amax_count() > first
     FP8GlobalStateManager.reset_non_finite_amax_count()
     assert FP8GlobalStateManager.get_non_finite_amax_count() == 0
+
+
+@cuda_fp8
+def test_cuda_warning_comes_within_two_check_periods():
+    """On CUDA the counter reaches the host by a copy made at every CUDA_CHECK_EVERY-th
+    update: finite steps never warn, and a NaN input warns within two such periods of
+    forward updates, without waiting for the GPU."""
+    torch.manual_seed(2)
+    m = te.Linear(32, 32, device="cuda")
+    x = torch.randn(16, 32, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2 * CUDA_CHECK_EVERY + 2):
+            _step(m, x)
+            torch.cuda.synchronize()
+        assert not caught, [str(w.message) for w in caught]
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        _step(m, bad)
+        steps = 0
+        while not caught and steps < 2 * CUDA_CHECK_EVERY + 1:
+            torch.cuda.synchronize()
+            _step(m, x)
+            steps += 1
+    assert [str(w.message) for w in caught if "NaN or infinite amax" in str(w.message)], steps
+    assert FP8GlobalStateManager.get_non_finite_amax_count() >= 1
 
 
 def test_non_finite_gradient_keeps_the_backward_scale():

@@ -29,8 +29,10 @@ NOTE [Non-finite amaxes]
     scaling counts non-finite amaxes the same way (its cast then uses scale 1). The
     counters are device tensors, so counting needs no host synchronization; the
     warning (once, again after `reset_non_finite_amax_count`) is checked after each
-    update, not on the cast path, and on CUDA it comes at a later update, once a copy
-    of the counter has reached the host.
+    update, not on the cast path. On CUDA a counter is copied to the host at every
+    `CUDA_CHECK_EVERY`-th update of its device and thread (the copy, its event and
+    their queries cost host time on every step otherwise), and the warning comes at
+    the first check after a copy that saw the count has landed.
 """
 
 from __future__ import annotations
@@ -258,8 +260,10 @@ class _NonFiniteCounters:
         self.counters: Dict[Tuple[torch.device, int], torch.Tensor] = {}
         self.lock = threading.Lock()
         self.warned = False
-        # CUDA counters: a pinned host copy and the event that says it has landed
+        # CUDA counters: a pinned host copy and the event that says it has landed, and
+        # the updates left before the next look
         self.copies: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, Any]] = {}
+        self.skips: Dict[Tuple[torch.device, int], int] = {}
 
     def counter(self, device: torch.device) -> torch.Tensor:
         key = (device, threading.get_ident())
@@ -289,8 +293,13 @@ class _NonFiniteCounters:
     def _seen(self, key, counter: torch.Tensor) -> bool:
         if counter.device.type != "cuda":
             return counter.item() > 0
+        left = self.skips.get(key, 0)
+        if left > 0:
+            self.skips[key] = left - 1
+            return False
         if torch.cuda.is_current_stream_capturing():
             return False
+        self.skips[key] = CUDA_CHECK_EVERY - 1
         copy = self.copies.get(key)
         if copy is not None and not copy[1].query():
             return False                        # the last copy is still on its way
@@ -303,6 +312,7 @@ class _NonFiniteCounters:
         return seen
 
 
+CUDA_CHECK_EVERY = 16
 _NON_FINITE = _NonFiniteCounters()
 
 
@@ -322,4 +332,5 @@ def reset_non_finite_amax_count() -> None:
     for c in list(_NON_FINITE.counters.values()):
         c.zero_()
     _NON_FINITE.copies.clear()
+    _NON_FINITE.skips.clear()
     _NON_FINITE.warned = False
