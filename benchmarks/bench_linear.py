@@ -18,7 +18,9 @@ repeats after warm-up (L2 flushed between repeats):
   scaling updates, in the default configuration (the fused kernels of NOTE [Fused
   casts], launched as NOTE [Launch overhead] in triton_kernels.py says);
   ``te_fp8_jit``: the same with every Triton launch through Triton's JIT;
-  ``te_fp8_unfused``: the same with the torch reference casts and update.
+  ``te_fp8_unfused``: the same with the torch reference casts and update;
+  ``te_fp8_block`` / ``te_fp8_block_emulated`` (only when named in ``--variants``):
+  ``Float8BlockScaling()`` with Hopper's block-scaled GEMM / with the emulated GEMMs.
 - ``torchao_fp8``: ``torchao.float8`` tensorwise, ``torch.compile``-d.
 - ``te_fp8_graphed``: ``te.Linear`` captured by ``te.make_graphed_callables`` under the
   same recipe (the delayed-scaling updates inside the graphs); ``nn_bf16_graphed``:
@@ -134,7 +136,7 @@ def python_profile(run, steps: int = 300, top: int = 30) -> list:
 def launch_overhead_us(launches: int = 2000) -> dict:
     """Host cost of one launch of the cast kernel on a tiny tensor (us), through
     Triton's JIT and through the cached compiled kernel (NOTE [Launch overhead]);
-    and of a small torch op, for scale."""
+    of small torch ops, for scale; and of a tiny GEMM, bf16 and FP8."""
     from transformer_engine.pytorch import triton_kernels as tk
     x = torch.randn(64, 64, device="cuda", dtype=BF16)
     scale, hist = torch.ones(1, device="cuda"), torch.zeros(4, 1, device="cuda")
@@ -145,6 +147,11 @@ def launch_overhead_us(launches: int = 2000) -> dict:
                 x, scale, E4M3, amax_history=hist, transpose=True), launches)
     out["torch_add"] = host_wall_us(lambda: x.add(1), launches)
     out["torch_empty"] = host_wall_us(lambda: torch.empty(64, 64, device="cuda"), launches)
+    # the GEMMs of a step: bf16 torch.mm against torch._scaled_mm (tensorwise scales)
+    x8, w8 = x.to(E4M3), x.to(E4M3).t().contiguous()
+    out["torch_mm"] = host_wall_us(lambda: torch.mm(x, x), launches)
+    out["torch_scaled_mm"] = host_wall_us(lambda: torch._scaled_mm(
+        x8, w8.t(), scale_a=scale[0], scale_b=scale[0], out_dtype=BF16), launches)
     return out
 
 
@@ -191,7 +198,8 @@ def tune_cast(timer) -> list:
     return rows
 
 
-TE_VARIANTS = {"te_fp8": "default", "te_fp8_jit": "jit", "te_fp8_unfused": "unfused"}
+TE_VARIANTS = {"te_fp8": "default", "te_fp8_jit": "jit", "te_fp8_unfused": "unfused",
+               "te_fp8_block": "block", "te_fp8_block_emulated": "block_emulated"}
 
 
 def main(argv=None):

@@ -13,7 +13,7 @@ import time
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8BlockScaling
 from transformer_engine.pytorch.kernel_config import kernel_config
 
 DEFAULT_SHAPES = [(m, k, n) for m in (4096, 8192, 16384) for k in (4096, 8192)
@@ -82,11 +82,12 @@ def nn_step(m, k, n):
 
 
 def te_step(m, k, n, variant="default"):
-    """``variant``: "default", "jit" (every Triton launch through the JIT) or
-    "unfused" (the torch reference casts and update)."""
+    """``variant``: "default", "jit" (every Triton launch through the JIT), "unfused"
+    (the torch reference casts and update), "block" (Float8BlockScaling, Hopper's
+    block-scaled GEMM) or "block_emulated" (Float8BlockScaling, emulated GEMMs)."""
     layer = te.Linear(k, n, bias=False, params_dtype=BF16, device="cuda")
     x, dy = _inputs(m, k, n)
-    recipe = DelayedScaling()
+    recipe = Float8BlockScaling() if variant.startswith("block") else DelayedScaling()
 
     def step():
         with te.autocast(enabled=True, recipe=recipe):
@@ -96,7 +97,8 @@ def te_step(m, k, n, variant="default"):
         return step, [x, layer.weight]
 
     def step_variant():
-        with kernel_config(fused=variant != "unfused", direct_launch=variant != "jit"):
+        with kernel_config(fused=variant != "unfused", direct_launch=variant != "jit",
+                           block_gemm="emulation" if variant == "block_emulated" else "hardware"):
             step()
     return step_variant, [x, layer.weight]
 

@@ -86,6 +86,25 @@ def accumulation_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (k * u / (1 - k * u)) * (a.abs() @ b.abs().t())
 
 
+def hopper_gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A bound on the error of Hopper's block-scaled FP8 GEMM of exact operands ``a``
+    [M, K], ``b`` [N, K]. Its tensor cores add a block's 128 products with about 14
+    significant bits, then the blocks in float32. Bound: each of a block's 128
+    products off by ``2**-13`` of the block's largest product, which is at most
+    ``max|a_block| * max|b_block|``, plus float32 accumulation. Measured on an H200
+    (E4M3 and E5M2 operands whose magnitudes vary by up to ``2**24``): at most
+    ``2**-14.8`` of the first term, so the bound leaves a factor 3.5; a wrong scale
+    layout misses it by orders of magnitude."""
+    k = a.shape[1]
+    blocks = -(-k // BLOCK)
+
+    def block_max(t):
+        padded = torch.nn.functional.pad(t.abs(), (0, blocks * BLOCK - k))
+        return padded.view(t.shape[0], blocks, BLOCK).amax(dim=2)
+
+    return BLOCK * 2.0 ** -13 * (block_max(a) @ block_max(b).t()) + accumulation_bound(a, b)
+
+
 def fp8_gemm_bound(a, a_q, a_scale_inv, a_dtype, b, b_q, b_scale_inv, b_dtype) -> torch.Tensor:
     """A bound on ``|a_q @ b_q^T - a @ b^T|`` (float32 accumulation of quantized
     operands ``a_q``, ``b_q`` against exact float64 ``a @ b^T``): the cast errors

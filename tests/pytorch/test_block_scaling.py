@@ -11,7 +11,8 @@ import torch
 from transformer_engine.pytorch import block_scaling
 from transformer_engine.pytorch.block_scaling import cast_blocks, quantize_blocks
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-from block_references import accumulation_bound, fp8_gemm_bound, quantize_ref
+from transformer_engine.pytorch.kernel_config import kernel_config
+from block_references import accumulation_bound, fp8_gemm_bound, hopper_gemm_bound, quantize_ref
 from block_references import varied as _varied
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -21,6 +22,9 @@ BLOCKS = [pytest.param(1, id="1x128"), pytest.param(128, id="128x128")]
 SHAPES = [(256, 384), (130, 257), (3, 300), (1, 1), (200, 128)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (the emulation runs on any)"))]
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="Hopper's block-scaled FP8 GEMM needs an SM 9.0 GPU")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -149,25 +153,76 @@ def test_gemm_of_quantized_operands_is_exact():
     qa = quantize_blocks(a, E4M3, 1)
     qb = quantize_blocks(b, E4M3, 128)
     assert torch.equal(qa.dequantize(), a) and torch.equal(qb.dequantize(), b)
+    assert not block_scaling.hardware_gemm_fits(qa, qb)        # CPU tensors: the emulation
     out = block_scaling.block_gemm(qa, qb, torch.float32)
     assert torch.equal(out.double(), a.double() @ b.double().t())
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gemm_matches_float64_of_its_operands(device):
-    """Random operands: the float32 GEMM of exact dequantized values is within float32
-    accumulation error of the float64 product; bias and output dtype as documented."""
+def test_emulated_gemm_matches_float64_of_its_operands(device):
+    """Random operands: the emulation's float32 GEMM of exact dequantized values is
+    within float32 accumulation error of the float64 product; bias and output dtype as
+    documented."""
     qa = quantize_blocks(_varied(200, 300, 1).to(device), E4M3, 1)
     qb = quantize_blocks(_varied(136, 300, 2).to(device), E5M2, 128)
     a64, b64 = qa.dequantize(torch.float64).cpu(), qb.dequantize(torch.float64).cpu()
     bias = torch.randn(136)
-    out = block_scaling.block_gemm(qa, qb, torch.float32, bias.to(device)).cpu()
+    out = block_scaling.emulated_block_gemm(qa, qb, torch.float32, bias.to(device)).cpu()
     ref = a64 @ b64.t() + bias.double()
     assert torch.all((out.double() - ref).abs() <= accumulation_bound(a64, b64) + 1e-30)
-    bf16 = block_scaling.block_gemm(qa, qb, torch.bfloat16, bias.to(device)).cpu()
+    bf16 = block_scaling.emulated_block_gemm(qa, qb, torch.bfloat16, bias.to(device)).cpu()
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, out.to(torch.bfloat16))
     with pytest.raises(ValueError, match="inner dimensions differ"):
         block_scaling.block_gemm(qa, quantize_blocks(torch.ones(4, 5), E4M3, 1), torch.float32)
+
+
+# (M, N, K): K in whole 512s, in 128s but not 512s, in partial blocks; N one block or more
+HOPPER_SHAPES = [(256, 384, 512), (128, 256, 256), (64, 256, 384), (200, 384, 320),
+                 (8, 16, 16), (24, 48, 272), (136, 200, 300)]
+
+
+@hopper
+@pytest.mark.parametrize("b_rows", BLOCKS)
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)],
+                         ids=["e4m3-e4m3", "e5m2-e4m3", "e4m3-e5m2"])
+@pytest.mark.parametrize("shape", HOPPER_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_hopper_gemm_within_its_accumulation_bound(shape, dtypes, b_rows):
+    """On Hopper a GEMM that fits runs on torch._scaled_mm's block-scaled path: within
+    Hopper's accumulation bound of the float64 product of the dequantized operands,
+    with and without bias, in float32 and bfloat16; the emulation setting turns it off."""
+    m, n, k = shape
+    qa = quantize_blocks(_varied(m, k, 1).cuda(), dtypes[0], 1)
+    qb = quantize_blocks(_varied(n, k, 2).cuda(), dtypes[1], b_rows)
+    assert block_scaling.hardware_gemm_fits(qa, qb)
+    a64, b64 = qa.dequantize(torch.float64).cpu(), qb.dequantize(torch.float64).cpu()
+    bias = torch.randn(n)
+    product = a64 @ b64.t()
+    out = block_scaling.block_gemm(qa, qb, torch.float32, bias.cuda()).cpu().double()
+    ref = product + bias.double()
+    assert torch.all((out - ref).abs() <= hopper_gemm_bound(a64, b64) + 2 ** -24 * ref.abs())
+    bf16 = block_scaling.block_gemm(qa, qb, torch.bfloat16).cpu()
+    assert bf16.dtype == torch.bfloat16
+    assert torch.all((bf16.double() - product).abs()
+                     <= hopper_gemm_bound(a64, b64) + 2 ** -8 * product.abs())
+    with kernel_config(block_gemm="emulation"):
+        assert not block_scaling.hardware_gemm_fits(qa, qb)
+        assert torch.equal(block_scaling.block_gemm(qa, qb, torch.float32),
+                           block_scaling.emulated_block_gemm(qa, qb, torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape, a_rows", [((12, 16, 256), 1), ((16, 136, 256), 1),
+                                           ((256, 256, 256), 128)],
+                         ids=["M-not-8", "N-not-16", "a-in-128x128"])
+def test_gemms_the_hardware_cannot_take_are_emulated(shape, a_rows):
+    """M not a multiple of 8, N not of 16, or ``a`` in 128x128 blocks: the emulation,
+    bit for bit."""
+    m, n, k = shape
+    qa = quantize_blocks(_varied(m, k, 1).cuda(), E4M3, a_rows)
+    qb = quantize_blocks(_varied(n, k, 2).cuda(), E4M3, 1)
+    assert not block_scaling.hardware_gemm_fits(qa, qb)
+    assert torch.equal(block_scaling.block_gemm(qa, qb, torch.bfloat16),
+                       block_scaling.emulated_block_gemm(qa, qb, torch.bfloat16))
 
 
 # The three GEMMs of a linear layer y = x W^T, each with its own K (NOTE [GEMM

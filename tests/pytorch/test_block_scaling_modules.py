@@ -12,7 +12,8 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import Float8BlockScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch import distributed
-from block_references import accumulation_bound, fp8_gemm_bound, quantize_ref, varied
+from block_references import (accumulation_bound, fp8_gemm_bound, hopper_gemm_bound,
+                              quantize_ref, varied)
 from helpers import REENTRANT, assert_runs_equal, assert_tensors_equal, capture, te_modules
 from references import leaf64, mlp_ref, norm_rel_err, randomize_
 
@@ -34,6 +35,13 @@ def _rows(dim):
     return 128 if dim == 2 else 1
 
 
+def _gemm_bound(a, b, device):
+    """Float32 accumulation, or on Hopper (whose block-scaled GEMM runs the GEMMs that
+    fit it) the hardware's accumulation."""
+    hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    return hopper_gemm_bound(a, b) if hopper else accumulation_bound(a, b)
+
+
 def _within(got, ref, bound, what):
     err = (got.double().cpu() - ref).abs()
     assert torch.all(err <= bound), f"{what}: max error {err.max():.3g} over its bound"
@@ -42,18 +50,23 @@ def _within(got, ref, bound, what):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dims", DIMS)
-def test_linear_matches_blockwise_reference(dims, fmt, device):
-    """Forward ``x W^T + b`` (K = 300 in features), dgrad ``dy W`` (K = 136 out
-    features), wgrad ``dy^T x`` (K = 200 tokens): each equals the float64 GEMM of the
-    reference-quantized operands up to float32 accumulation, with every operand
-    quantized in blocks along its GEMM's K; none of the sizes is a multiple of 128."""
+@pytest.mark.parametrize("size", [(200, 300, 136), (256, 384, 256)],
+                         ids=["partial-blocks", "hopper-shapes"])
+def test_linear_matches_blockwise_reference(size, dims, fmt, device):
+    """Forward ``x W^T + b`` (K = in features), dgrad ``dy W`` (K = out features),
+    wgrad ``dy^T x`` (K = tokens): each equals the float64 GEMM of the
+    reference-quantized operands up to float32 accumulation (the hardware's on
+    Hopper), with every operand quantized in blocks along its GEMM's K. Sizes
+    (tokens, in, out) with no multiple of 128, and sizes whose GEMMs Hopper's
+    block-scaled GEMM takes."""
+    tokens, features_in, features_out = size
     torch.manual_seed(0)
-    m = te.Linear(300, 136, device=device)
+    m = te.Linear(features_in, features_out, device=device)
     randomize_(m)
     # magnitudes varying along both dimensions, so that blocks along the wrong
     # dimension would flush values the right blocks keep
-    x = varied(200, 300, seed=1, spread=8).to(device).requires_grad_()
-    dy = varied(200, 136, seed=2, spread=8).to(device)
+    x = varied(tokens, features_in, seed=1, spread=8).to(device).requires_grad_()
+    dy = varied(tokens, features_out, seed=2, spread=8).to(device)
     with te.autocast(recipe=_recipe(dims, fmt)):
         y = m(x)
     y.backward(dy)
@@ -62,19 +75,20 @@ def test_linear_matches_blockwise_reference(dims, fmt, device):
     xc, wc, dyc = x.detach().cpu(), m.weight.detach().cpu(), dy.cpu()
     xq, wq = quantize_ref(xc, fwd, xd)[0], quantize_ref(wc, fwd, wd)[0]
     y_ref = xq @ wq.t() + m.bias.detach().cpu().double()
-    _within(y, y_ref, accumulation_bound(xq, wq) + 2 ** -24 * y_ref.abs(), "forward")
+    _within(y, y_ref, _gemm_bound(xq, wq, device) + 2 ** -24 * y_ref.abs(), "forward")
     dyq, wtq = quantize_ref(dyc, bwd, gd)[0], quantize_ref(wc.t(), fwd, wd)[0]
-    _within(x.grad, dyq @ wtq.t(), accumulation_bound(dyq, wtq), "dgrad")
+    _within(x.grad, dyq @ wtq.t(), _gemm_bound(dyq, wtq, device), "dgrad")
     dytq, xtq = quantize_ref(dyc.t(), bwd, gd)[0], quantize_ref(xc.t(), fwd, xd)[0]
-    _within(m.weight.grad, dytq @ xtq.t(), accumulation_bound(dytq, xtq), "wgrad")
+    _within(m.weight.grad, dytq @ xtq.t(), _gemm_bound(dytq, xtq, device), "wgrad")
     # dbias: a float32 sum over the tokens, in whatever order the device sums
     dyd = dyc.double()
     _within(m.bias.grad, dyd.sum(0), dyd.shape[0] * 2 ** -24 * dyd.abs().sum(0), "dbias")
     # and against float64 on the unquantized operands, within FP8 rounding
     xs, ws = quantize_ref(xc, fwd, xd)[1], quantize_ref(wc, fwd, wd)[1]
     exact = xc.double() @ wc.double().t() + m.bias.detach().cpu().double()
-    _within(y, exact, fp8_gemm_bound(xc, xq, xs, fwd, wc, wq, ws, fwd) + 2 ** -24 * exact.abs(),
-            "forward against float64")
+    hardware = _gemm_bound(xq, wq, device) - accumulation_bound(xq, wq)
+    _within(y, exact, fp8_gemm_bound(xc, xq, xs, fwd, wc, wq, ws, fwd) + hardware
+            + 2 ** -24 * exact.abs(), "forward against float64")
 
 
 def test_blocks_keep_rows_that_one_scale_per_tensor_loses():

@@ -315,6 +315,10 @@ def test_kernel_config_from_environment():
     assert KernelConfig.from_environment({}) == KernelConfig()
     assert KernelConfig.from_environment({"NVTE_FUSED_FP8_KERNELS": "0"}).fused is False
     assert KernelConfig.from_environment({"NVTE_CPU_FP8_GEMM": "scaled_mm"}).cpu_gemm == "scaled_mm"
+    assert KernelConfig.from_environment(
+        {"NVTE_BLOCK_FP8_GEMM": "emulation"}).block_gemm == "emulation"
+    with pytest.raises(ValueError, match=r"block_gemm must be one of \('hardware', 'emulation'\)"):
+        KernelConfig.from_environment({"NVTE_BLOCK_FP8_GEMM": "cublas"})
     with pytest.raises(ValueError, match="NVTE_FUSED_FP8_KERNELS must be 0 or 1, got 'yes'"):
         KernelConfig.from_environment({"NVTE_FUSED_FP8_KERNELS": "yes"})
 

@@ -1,5 +1,5 @@
-"""Float8BlockScaling: quantization with one scale per block, and its GEMM, emulated
-exactly in float32.
+"""Float8BlockScaling: quantization with one scale per block, and its GEMM (Hopper's
+block-scaled FP8 GEMM, or an exact float32 emulation).
 
 NOTE [Block scaling layout]
     A block-scaled tensor [R, C] has one scale per block: a 1D block is 128
@@ -28,7 +28,10 @@ NOTE [Block scaling layout]
     No state and no history: a recompute casts the same values to the same bits, so
     activation recompute needs no stash.
 
-    The GEMM is an exact emulation, the same code on CPU and CUDA: both operands are
+    The GEMM runs on Hopper GPUs through ``torch._scaled_mm``'s blockwise scales (x and
+    dy in 1x128 blocks, M a multiple of 8 and N of 16; its accumulation is the hardware's,
+    see `_hardware_gemm`). Everywhere else (and with ``NVTE_BLOCK_FP8_GEMM=emulation``)
+    it is an exact emulation, the same code on CPU and CUDA: both operands are
     dequantized block by block to float32 and multiplied by one float32 GEMM. An FP8
     value has at most 4 significant bits, so with a power-of-2 scale the dequantized
     value is exact, and so is the product of two of them (8 bits); the sums accumulate
@@ -48,9 +51,10 @@ import torch.nn.functional as F
 
 from . import quantize
 from .amax_update import non_finite_counter
+from .kernel_config import get_kernel_config
 
 __all__ = ["BLOCK", "BlockScaledData", "quantize_blocks", "cast_blocks", "cast_for_role",
-           "block_gemm"]
+           "block_gemm", "emulated_block_gemm", "hardware_gemm_fits"]
 
 BLOCK = 128
 # which recipe field gives the block shape of each role's tensors
@@ -164,13 +168,69 @@ def cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, rowwis
 
 def block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``a @ b^T`` for block-scaled ``a`` [M, K] and ``b`` [N, K] (blocks along K): both
-    dequantized to float32, one float32 GEMM, the bias added in float32, rounded once
-    to ``out_dtype`` (NOTE [Block scaling layout])."""
+    """``a @ b^T`` for block-scaled ``a`` [M, K] and ``b`` [N, K] (blocks along K), the
+    bias added in float32 and the result rounded once to ``out_dtype``: on Hopper
+    through ``torch._scaled_mm``'s blockwise scales where `hardware_gemm_fits`, else
+    `emulated_block_gemm` (NOTE [Block scaling layout])."""
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"block_scaling.block_gemm: inner dimensions differ: a is "
                          f"{tuple(a.data.shape)}, b is {tuple(b.data.shape)} (computing a @ b^T)")
+    if hardware_gemm_fits(a, b):
+        return _hardware_gemm(a, b, out_dtype, bias)
+    return emulated_block_gemm(a, b, out_dtype, bias)
+
+
+def emulated_block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`block_gemm` emulated on any device: both operands dequantized to float32, one
+    float32 GEMM, the bias added in float32, rounded once to ``out_dtype``."""
     out = torch.mm(a.dequantize(), b.dequantize().t())
     if bias is not None:
         out.add_(bias)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+_HOPPER: dict = {}     # device index -> whether it is a Hopper GPU (SM 9.0)
+
+
+def hardware_gemm_fits(a: BlockScaledData, b: BlockScaledData) -> bool:
+    """Whether `block_gemm` runs on the GPU's block-scaled FP8 GEMM: a Hopper device,
+    ``KernelConfig.block_gemm`` "hardware", ``a`` in 1x128 blocks, M a multiple of 8
+    and N of 16 (``torch._scaled_mm``'s rule); other GEMMs are emulated."""
+    data = a.data
+    if not data.is_cuda or a.block_rows != 1 or data.shape[0] % 8 or b.data.shape[0] % 16:
+        return False
+    index = data.device.index
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(data.device) == (9, 0)
+    return _HOPPER[index] and get_kernel_config().block_gemm == "hardware"
+
+
+def _pad_k(t: torch.Tensor, cols: int, value) -> torch.Tensor:
+    return t if t.shape[1] == cols else F.pad(t, (0, cols - t.shape[1]), value=value)
+
+
+def _hardware_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """`block_gemm` by ``torch._scaled_mm`` with blockwise scales (checked on an H200,
+    torch 2.11): ``a``'s scales [M, K/128] column-major, ``b``'s [K/128, N/128]
+    column-major (128x128 blocks) or [K/128, N] row-major (1x128 blocks). K is padded
+    with zero values (scale 1) to a multiple of 128, and of 512 for a 128x128 ``b``,
+    whose scales' leading dimension cuBLAS reads in fours. Hopper accumulates each
+    128-long block in its tensor cores (about 14 significant bits) and the blocks in
+    float32, so the result is within ``2**-12 * |a| @ |b|^T`` of the exact product."""
+    multiple = 4 * BLOCK if b.block_rows == BLOCK else BLOCK
+    k_padded = -(-a.data.shape[1] // multiple) * multiple
+    blocks = k_padded // BLOCK
+    a_data = _pad_k(a.data.view(torch.uint8), k_padded, 0).view(a.data.dtype)
+    b_data = _pad_k(b.data.view(torch.uint8), k_padded, 0).view(b.data.dtype)
+    a_scale = _pad_k(a.scale_inv, blocks, 1.0).t().contiguous().t()
+    b_scale = _pad_k(b.scale_inv, blocks, 1.0)
+    b_scale = b_scale.t() if b.block_rows == BLOCK else b_scale.t().contiguous()
+    direct = bias is None
+    out = torch._scaled_mm(a_data, b_data.t(), a_scale, b_scale,
+                           out_dtype=out_dtype if direct else torch.float32)
+    if direct:
+        return out
+    out.add_(bias)
     return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -9,10 +9,14 @@ NOTE [Kernel selection]
     the same bits. ``direct_launch`` calls the compiled Triton kernels' launchers
     directly (NOTE [Launch overhead] in triton_kernels.py), only on the Triton
     versions that interface was checked on; elsewhere every launch goes through the
-    JIT. CPU: ``cpu_gemm`` picks the FP8 GEMM (NOTE [CPU FP8 GEMM]).
+    JIT. CPU: ``cpu_gemm`` picks the FP8 GEMM (NOTE [CPU FP8 GEMM]). Block scaling:
+    ``block_gemm`` "hardware" runs its GEMMs on Hopper through ``torch._scaled_mm``'s
+    blockwise scales where the shapes allow, "emulation" always emulates them (NOTE
+    [Block scaling layout] in block_scaling.py).
 
     Environment, read once: ``NVTE_FUSED_FP8_KERNELS=0`` turns the fused kernels off;
-    ``NVTE_CPU_FP8_GEMM=scaled_mm`` selects ``torch._scaled_mm`` on the CPU.
+    ``NVTE_CPU_FP8_GEMM=scaled_mm`` selects ``torch._scaled_mm`` on the CPU;
+    ``NVTE_BLOCK_FP8_GEMM=emulation`` turns the Hopper block-scaled GEMM off.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["KernelConfig", "get_kernel_config", "kernel_config", "CPU_GEMMS"]
+__all__ = ["KernelConfig", "get_kernel_config", "kernel_config", "CPU_GEMMS", "BLOCK_GEMMS"]
 
 CPU_GEMMS = ("upcast", "scaled_mm")
+BLOCK_GEMMS = ("hardware", "emulation")
 _SWITCHES = {"1": True, "0": False}
 
 
@@ -42,11 +47,14 @@ class KernelConfig:
         CUDA: launch compiled Triton kernels directly where the Triton version allows.
     cpu_gemm : "upcast" | "scaled_mm", default "upcast"
         The CPU FP8 GEMM.
+    block_gemm : "hardware" | "emulation", default "hardware"
+        The Float8BlockScaling GEMM on Hopper (elsewhere it is always emulated).
     """
 
     fused: bool = True
     direct_launch: bool = True
     cpu_gemm: str = "upcast"
+    block_gemm: str = "hardware"
 
     def __post_init__(self):
         for name in ("fused", "direct_launch"):
@@ -56,6 +64,9 @@ class KernelConfig:
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"KernelConfig: cpu_gemm must be one of {CPU_GEMMS}, "
                              f"got {self.cpu_gemm!r}")
+        if self.block_gemm not in BLOCK_GEMMS:
+            raise ValueError(f"KernelConfig: block_gemm must be one of {BLOCK_GEMMS}, "
+                             f"got {self.block_gemm!r}")
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "KernelConfig":
@@ -63,7 +74,8 @@ class KernelConfig:
         if fused not in _SWITCHES:
             raise ValueError(f"NVTE_FUSED_FP8_KERNELS must be 0 or 1, got {fused!r}")
         return cls(fused=_SWITCHES[fused],
-                   cpu_gemm=environ.get("NVTE_CPU_FP8_GEMM", "upcast"))
+                   cpu_gemm=environ.get("NVTE_CPU_FP8_GEMM", "upcast"),
+                   block_gemm=environ.get("NVTE_BLOCK_FP8_GEMM", "hardware"))
 
 
 _LOCK = threading.Lock()
