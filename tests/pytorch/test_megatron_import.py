@@ -76,9 +76,13 @@ def test_gpt_layer_spec_uses_te_modules():
 
 @pytest.fixture
 def single_process_gloo(tmp_path):
-    """A one-rank gloo group and Megatron's parallel state over it, torn down after."""
+    """A one-rank gloo group and Megatron's parallel state over it, and a fresh Megatron
+    RNG tracker (a recompute's RNG replay calls its set_states, which marks it
+    initialized for every model built later), torn down after."""
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
+    initialize_rng_tracker(force_reset=True)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
@@ -87,6 +91,7 @@ def single_process_gloo(tmp_path):
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        initialize_rng_tracker(force_reset=True)
 
 
 @needs_megatron
@@ -117,11 +122,14 @@ def test_te_spec_transformer_layer_runs_on_cpu(single_process_gloo):
     assert torch.equal(out2[0], out.detach()[0]) and not torch.equal(out2[1], out.detach()[1])
 
 
-def _megatron_gpt_run(recompute: bool, steps: int = 3):
+def _megatron_gpt_run(recompute: bool, steps: int = 3, micro_batches: int = 1):
     """A 2-layer Megatron GPT from the TE layer spec, FP8 delayed scaling through
-    Megatron's own FP8 context, trained ``steps`` SGD steps; with ``recompute``, full
-    activation recompute (Megatron routes it through te.distributed.checkpoint).
-    Returns per-step losses and gradients, the TE modules' FP8 states, and how often
+    Megatron's own FP8 context, trained ``steps`` SGD steps of ``micro_batches``
+    micro-batches each (gradients accumulated; ``set_is_first_microbatch()`` before the
+    first, as Megatron's schedule calls it, so later micro-batches reuse the FP8
+    weights cast in the first); with ``recompute``, full activation recompute
+    (Megatron routes it through te.distributed.checkpoint). Returns per-step losses
+    (of the last micro-batch) and gradients, the TE modules' FP8 states, and how often
     the layers' forward ran."""
     from megatron.core import fp8_utils
     from megatron.core.models.gpt import GPTModel
@@ -147,14 +155,16 @@ def _megatron_gpt_run(recompute: bool, steps: int = 3):
     gen = torch.Generator().manual_seed(1)
     record, scales_at_forward = [], []
     for _ in range(steps):
-        tokens = torch.randint(0, 128, (2, 16), generator=gen)
-        labels = torch.randint(0, 128, (2, 16), generator=gen)
-        positions = torch.arange(16).unsqueeze(0).expand(2, 16)
         scales_at_forward.append(te_modules[0].fp8_meta["scaling_fwd"].scale.clone()
                                  if te_modules[0].fp8_meta["scaling_fwd"] is not None else None)
-        with fp8_utils.get_fp8_context(config):
-            loss = model(tokens, positions, attention_mask=None, labels=labels).float().mean()
-        loss.backward()
+        model.set_is_first_microbatch()
+        for _ in range(micro_batches):
+            tokens = torch.randint(0, 128, (2, 16), generator=gen)
+            labels = torch.randint(0, 128, (2, 16), generator=gen)
+            positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+            with fp8_utils.get_fp8_context(config):
+                loss = model(tokens, positions, attention_mask=None, labels=labels).float().mean()
+            (loss / micro_batches).backward()
         record.append(capture(loss, [], params, te_modules))
         opt.step()
         opt.zero_grad()
@@ -170,4 +180,29 @@ def test_megatron_gpt_full_recompute_in_fp8_matches_no_recompute(single_process_
     got, calls, scales, _ = _megatron_gpt_run(recompute=True)
     assert ref_calls == 2 * 3 and calls == 2 * 2 * 3           # every layer recomputed
     assert not torch.equal(scales[1], scales[2])              # the scales moved each step
+    assert_runs_equal(ref, got)
+
+
+@needs_megatron
+def test_megatron_micro_batches_with_the_fp8_weight_cache_under_full_recompute(
+        single_process_gloo, monkeypatch):
+    """Two micro-batches a step with ``set_is_first_microbatch()``, as Megatron's
+    schedule runs them: the second micro-batch (and every recompute) takes the FP8
+    weights cast in the first, and full recompute stays bit-identical to none."""
+    from transformer_engine.pytorch.module import fp8_operands
+    casts = []
+    real = fp8_operands.cast_operand
+
+    def counting(x, plan, state, index, dtype, record, role, *args, **kwargs):
+        if role == "fwd_weight":
+            casts.append(index)
+        return real(x, plan, state, index, dtype, record, role, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_operands, "cast_operand", counting)
+    ref, _, _, _ = _megatron_gpt_run(recompute=False, micro_batches=2)
+    ref_casts, casts[:] = len(casts), []
+    got, calls, _, _ = _megatron_gpt_run(recompute=True, micro_batches=2)
+    assert calls == 2 * 2 * 2 * 3                 # 2 layers, 2 micro-batches, recomputed
+    # 4 TE modules a layer, 2 layers: their weights cast once a step, not per micro-batch
+    assert ref_casts == len(casts) == 8 * 3, (ref_casts, len(casts))
     assert_runs_equal(ref, got)
