@@ -137,6 +137,40 @@ def test_columnwise_copy_of_2d_blocks_is_the_transpose():
     assert only_col[0] is None and torch.equal(only_col[1].scale_inv, col.scale_inv)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused cast runs on CUDA")
+@pytest.mark.parametrize("layout", ["row-major", "transposed-view", "with-nan-inf"])
+@pytest.mark.parametrize("eps", [0.0, 0.5], ids=["no-eps", "eps"])
+@pytest.mark.parametrize("power_2", [True, False], ids=["pow2", "fp32-scales"])
+@pytest.mark.parametrize("block_rows", BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fused_cast_equals_the_torch_path(shape, dtype, block_rows, power_2, eps, layout):
+    """On CUDA the block cast is one Triton pass (NOTE [Kernel selection]): the same FP8
+    bits, scales and non-finite count as the torch ops, for float32 and bfloat16
+    inputs, any strides, partial blocks, NaN and inf."""
+    rows, cols = shape
+    for hp in (torch.float32, torch.bfloat16):
+        x = _varied(rows, cols, rows + cols, spread=8)
+        if layout == "transposed-view":
+            x = _varied(cols, rows, 1, spread=8).t()
+        if layout == "with-nan-inf":
+            x = x.clone()
+            x.view(-1)[0] = float("nan")
+            x.view(-1)[-1] = float("inf")
+        x = x.to(device="cuda", dtype=hp)
+        before = FP8GlobalStateManager.get_non_finite_amax_count()
+        got = cast_blocks(x, dtype, block_rows, power_2, eps, rowwise=True, columnwise=True)
+        fused = FP8GlobalStateManager.get_non_finite_amax_count()
+        with kernel_config(fused=False):
+            ref = cast_blocks(x, dtype, block_rows, power_2, eps, rowwise=True, columnwise=True)
+        counted = (fused - before, FP8GlobalStateManager.get_non_finite_amax_count() - fused)
+        assert counted == ((1, 1) if layout == "with-nan-inf" else (0, 0))
+        for g, r in zip(got, ref):
+            assert g.block_rows == r.block_rows and torch.equal(g.scale_inv, r.scale_inv)
+            assert g.data.is_contiguous() and g.data.shape == r.data.shape
+            assert torch.equal(g.data.view(torch.uint8), r.data.view(torch.uint8))
+
+
 # ---- the GEMM ----------------------------------------------------------------------------
 
 def _small_integers(rows, cols, seed):

@@ -26,7 +26,9 @@ NOTE [Block scaling layout]
     A block's scale is current scaling's (`quantize.current_scale`) of the block's own
     amax, with the role's `QParams` (TE's default here: power-of-2 scales, no epsilon).
     No state and no history: a recompute casts the same values to the same bits, so
-    activation recompute needs no stash.
+    activation recompute needs no stash. On CUDA the cast is one Triton pass
+    (`triton_kernels.block_cast`; the columnwise 1D copy reads a transposed view),
+    elsewhere (and with ``NVTE_FUSED_FP8_KERNELS=0``) torch ops: the same bits.
 
     The GEMM runs on Hopper GPUs through ``torch._scaled_mm``'s blockwise scales (x and
     dy in 1x128 blocks, M a multiple of 8 and N of 16; its accumulation is the hardware's,
@@ -102,7 +104,13 @@ def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scale: bool,
               amax_epsilon: float) -> Tuple[BlockScaledData, torch.Tensor]:
-    """The cast of `quantize_blocks`, and the blocks' amaxes."""
+    """The cast of `quantize_blocks`, and the blocks' amaxes: one Triton pass on CUDA
+    (the fused kernels, NOTE [Kernel selection]), else torch ops; the same bits."""
+    kernels = quantize.fused_kernels(x)
+    if kernels is not None:
+        data, scale_inv, block_amax = kernels.block_cast(x.detach(), dtype, block_rows,
+                                                         power_2_scale, amax_epsilon)
+        return BlockScaledData(data, scale_inv, block_rows), block_amax
     rows, cols = x.shape
     rb, cb = -(-rows // block_rows), -(-cols // BLOCK)
     tiles = _padded(x.detach().to(torch.float32), rb * block_rows, cb * BLOCK)
@@ -216,9 +224,10 @@ def _hardware_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtyp
     torch 2.11): ``a``'s scales [M, K/128] column-major, ``b``'s [K/128, N/128]
     column-major (128x128 blocks) or [K/128, N] row-major (1x128 blocks). K is padded
     with zero values (scale 1) to a multiple of 128, and of 512 for a 128x128 ``b``,
-    whose scales' leading dimension cuBLAS reads in fours. Hopper accumulates each
-    128-long block in its tensor cores (about 14 significant bits) and the blocks in
-    float32, so the result is within ``2**-12 * |a| @ |b|^T`` of the exact product."""
+    whose scales' leading dimension cuBLAS reads in fours. Hopper adds each 128-long
+    block's products in its tensor cores (about 14 significant bits) and the blocks in
+    float32: each product may be off by up to ``2**-13`` of its block's largest
+    (measured on an H200: ``2**-14.8`` at most), not the exact emulation's result."""
     multiple = 4 * BLOCK if b.block_rows == BLOCK else BLOCK
     k_padded = -(-a.data.shape[1] // multiple) * multiple
     blocks = k_padded // BLOCK

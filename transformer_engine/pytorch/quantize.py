@@ -57,7 +57,7 @@ __all__ = [
     "upcast_gemm", "scaled_mm_padded", "check_fp8_matrix", "check_gemm_shape",
     "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "amax_from_history", "scale_from_amax",
     "roll_amax_history", "resize_amax_history", "sanitize_live_amax", "check_computed_scale",
-    "delayed_scaling_update", "delayed_scaling_update_",
+    "delayed_scaling_update", "delayed_scaling_update_", "fused_kernels",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -70,7 +70,7 @@ _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _kernels_module = None      # triton_kernels once loaded; False when Triton is missing
 
 
-def _fused_kernels(x: torch.Tensor):
+def fused_kernels(x: torch.Tensor):
     """The Triton kernels module if ``x`` should take the fused path, else None."""
     global _kernels_module
     if not (x.is_cuda and x.dtype in _HP_DTYPES and x.numel() > 0
@@ -109,7 +109,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """``max|x|`` as a float32 scalar tensor (0 for an empty tensor)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    kernels = _fused_kernels(x)
+    kernels = fused_kernels(x)
     if kernels is not None and x.is_contiguous():
         return kernels.amax(x)          # reads the data only: no autograd
     return _no_grad(x).abs().amax().to(torch.float32)
@@ -124,7 +124,7 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Flo
     """
     if dtype not in FP8_DTYPES:
         raise TypeError(f"cast_to_fp8: dtype must be one of {FP8_DTYPES}, got {dtype}")
-    kernels = _fused_kernels(x)
+    kernels = fused_kernels(x)
     if kernels is not None and x.dim() >= 1 and _fused_scale_ok(scale, x):
         x2d = x.detach().reshape(-1, x.shape[-1])
         q, _, scale_inv = kernels.cast_transpose(x2d, scale, dtype)
@@ -183,7 +183,7 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
                              transpose: bool) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
     """`cast_transpose_to_fp8` without its argument checks, for the modules, which
     build the arguments themselves (the host cost of a small step matters)."""
-    kernels = _fused_kernels(x)
+    kernels = fused_kernels(x)
     if (kernels is not None and scale.dtype == torch.float32 and scale.is_contiguous()
             and scale.device == x.device
             and (amax_history is None or amax_history.is_contiguous())):
@@ -414,7 +414,7 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
     states (NOTE [Fused casts]); otherwise the formulas run once on the concatenated
     states and the results are copied back.
     """
-    kernels = _fused_kernels(histories[0])
+    kernels = fused_kernels(histories[0])
     if (kernels is not None and algo in ("max", "most_recent")
             and kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo,
                                         non_finite)):
