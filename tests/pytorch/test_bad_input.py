@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import (DelayedScaling, Float8CurrentScaling, Format,
+                                               MXFP8BlockScaling)
 from helpers import assert_states_equal, fp8_state_snapshot, fp8_training_steps
 from references import padding_mask
 
@@ -598,10 +599,16 @@ def _trained(module, steps=2):
 
 
 def _decode(payload: torch.Tensor) -> dict:
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+    """A payload in TE's layout (NOTE [FP8 extra state payload]); the test trusts it."""
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def _encode(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _encode_archive(obj) -> torch.Tensor:
+    """A payload of the earlier layout: a torch.save archive."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
@@ -616,98 +623,109 @@ def _edit(change):
     return tamper
 
 
-def _set(path, value):
-    """An edit that sets ``data[path[0]][path[1]]... = value(old)``."""
+def _set(key, value):
+    """An edit that sets ``data[key] = value(old)``."""
     def change(data):
-        d = data
-        for key in path[:-1]:
-            d = d[key]
-        d[path[-1]] = value(d[path[-1]])
+        data[key] = value(data[key])
     return change
+
+
+def _set_recipe(name, value):
+    return lambda data: setattr(data["recipe"], name, value)
 
 
 def _other_module_payload(_):
     return _trained(te.LayerNormMLP(16, 16, device=CPU)).get_extra_state()
 
 
-def _unsafe_pickle(_):
-    return _encode({"recipe": print, "scaling_fwd": None, "scaling_bwd": None})
-
-
-def _pop(key):
-    return lambda data: data.pop(key)
-
-
-def _scale_and_inv(value):
+def _pop(*keys):
     def change(data):
-        data["scaling_fwd"]["scale"] = torch.tensor(value, dtype=torch.float32)
-        data["scaling_fwd"]["scale_inv"] = torch.reciprocal(data["scaling_fwd"]["scale"])
+        for key in keys:
+            data.pop(key)
     return change
+
+
+def _scales(values):
+    """Scales of the forward slots in use (input, weight; TE's output slot stays 1)."""
+    return _set("scale_fwd", lambda s: torch.tensor(values + [1.0], dtype=torch.float32))
 
 
 def _history_rows(rows):
     def change(data):
-        for key in ("scaling_fwd", "scaling_bwd"):
-            h = data[key]["amax_history"]
-            data[key]["amax_history"] = torch.zeros(rows, h.shape[1])
+        for key in ("amax_history_fwd", "amax_history_bwd"):
+            data[key] = torch.zeros(rows, data[key].shape[1])
     return change
+
+
+def _archive(change):
+    """A tamper that rewrites the payload in the earlier layout, edited by ``change``."""
+    def tamper(payload):
+        data = _decode(payload)
+        fwd, bwd = data["scale_fwd"][:2], data["scale_bwd"][:1]
+        legacy = {"recipe": {"type": "DelayedScaling", "margin": 0, "fp8_format": "HYBRID",
+                             "amax_history_len": 3, "amax_compute_algo": "max",
+                             "reduce_amax": True},
+                  "scaling_fwd": {"scale": fwd, "scale_inv": 1 / fwd,
+                                  "amax_history": data["amax_history_fwd"][:, :2]},
+                  "scaling_bwd": {"scale": bwd, "scale_inv": 1 / bwd,
+                                  "amax_history": data["amax_history_bwd"][:, :1]}}
+        change(legacy)
+        return _encode_archive(legacy)
+    return tamper
 
 
 INVALID = "Linear.set_extra_state: the FP8 extra state is not a valid payload written by " \
           "get_extra_state: "
+SLOTS_FWD = (r"scale_fwd and amax_history_fwd: this module's 3 slots \(TE's layout\) need "
+             r"tensors of shapes \(3,\) and \(amax_history_len, 3\), got ")
 PAYLOAD_CASES = [
-    _case(_edit(_set(("scaling_fwd", "scale"), lambda s: s.to(torch.int64))), ValueError,
+    _case(_edit(_set("scale_fwd", lambda s: s.to(torch.int64))), ValueError,
           INVALID + "scaling_fwd.scale: expected a float32 tensor, got torch.int64 tensor",
           "scale-int64"),
-    _case(_edit(_set(("scaling_bwd", "scale_inv"), lambda s: s.double())), ValueError,
-          "scaling_bwd.scale_inv: expected a float32 tensor, got torch.float64", "scale-inv-fp64"),
-    _case(_edit(_scale_and_inv([float("nan"), 1.0])), ValueError,
+    _case(_edit(_set("amax_history_bwd", lambda h: h.double())), ValueError,
+          "scaling_bwd.amax_history: expected a float32 tensor, got torch.float64",
+          "history-fp64"),
+    _case(_edit(_scales([float("nan"), 1.0])), ValueError,
           INVALID + r"scaling_fwd.scale: every scale must be finite and >= 1.17\d*e-38 \(the "
           r"smallest normal float32\), got \[nan, 1.0\]", "scale-nan"),
-    _case(_edit(_scale_and_inv([0.0, 1.0])), ValueError,
+    _case(_edit(_scales([0.0, 1.0])), ValueError,
           r"scaling_fwd.scale: every scale must be finite .*got \[0.0, 1.0\]", "scale-zero"),
-    _case(_edit(_scale_and_inv([float("inf"), 1.0])), ValueError,
+    _case(_edit(_scales([float("inf"), 1.0])), ValueError,
           r"scaling_fwd.scale: every scale must be finite .*got \[inf, 1.0\]", "scale-inf"),
-    _case(_edit(_scale_and_inv([-2.0, 1.0])), ValueError,
+    _case(_edit(_scales([-2.0, 1.0])), ValueError,
           r"scaling_fwd.scale: every scale must be finite .*got \[-2.0, 1.0\]", "scale-negative"),
-    _case(_edit(_scale_and_inv([1e-40, 1.0])), ValueError,
+    _case(_edit(_scales([1e-40, 1.0])), ValueError,
           r"scaling_fwd.scale: every scale must be finite .*got \[9.99\d*e-41, 1.0\]",
           "scale-subnormal"),
-    _case(_edit(_set(("scaling_fwd", "scale_inv"), lambda s: s * 2)), ValueError,
-          INVALID + "scaling_fwd.scale_inv: must be 1 / scale", "scale-inv-not-reciprocal"),
-    _case(_edit(_set(("scaling_fwd", "amax_history"), lambda h: h.index_fill(0, torch.tensor([1]),
-                                                                             float("nan")))),
+    _case(_edit(_set("amax_history_fwd", lambda h: h.index_fill(0, torch.tensor([1]),
+                                                                float("nan")))),
           ValueError, INVALID + "scaling_fwd.amax_history: every amax must be finite and >= 0",
           "history-nan"),
-    _case(_edit(_set(("scaling_bwd", "amax_history"), lambda h: -h - 1)), ValueError,
+    _case(_edit(_set("amax_history_bwd", lambda h: -h - 1)), ValueError,
           "scaling_bwd.amax_history: every amax must be finite and >= 0", "history-negative"),
-    _case(_edit(_set(("scaling_fwd", "scale"), lambda s: torch.cat([s, s]))), ValueError,
-          INVALID + r"scaling_fwd.scale: this module has 2 tensors here, so the shape must be "
-          r"\(2,\), got \(4,\)", "scale-extra-slots"),
-    _case(_edit(_set(("scaling_fwd", "amax_history"), lambda h: h[:, :1])), ValueError,
-          r"scaling_fwd.amax_history: the shape must be \(amax_history_len, 2\), got \(3, 1\)",
-          "history-missing-slot"),
-    _case(_edit(_set(("scaling_fwd", "scale"), lambda s: s.reshape(1, 2))), ValueError,
-          r"scaling_fwd.scale: .* must be \(2,\), got \(1, 2\)", "scale-2d"),
+    _case(_edit(_set("scale_fwd", lambda s: torch.cat([s, s]))), ValueError,
+          INVALID + SLOTS_FWD + r"torch.float32 tensor of shape \(6,\)", "scale-extra-slots"),
+    _case(_edit(_set("amax_history_fwd", lambda h: h[:, :1])), ValueError,
+          SLOTS_FWD + r".* and torch.float32 tensor of shape \(3, 1\)", "history-missing-slot"),
+    _case(_edit(_set("scale_fwd", lambda s: s.reshape(1, 3))), ValueError,
+          SLOTS_FWD + r"torch.float32 tensor of shape \(1, 3\)", "scale-2d"),
     _case(_other_module_payload, ValueError,
-          INVALID + r"scaling_fwd.scale: this module has 2 tensors here, so the shape must be "
-          r"\(2,\), got \(4,\) \(a state saved from a module with another number of GEMMs\?\)",
-          "other-module-two-gemms"),
-    _case(_edit(_pop("scaling_bwd")), ValueError,
-          INVALID + r"expected a dict with keys \['recipe', 'scaling_bwd', 'scaling_fwd'\], got "
-          r"\['recipe', 'scaling_fwd'\]", "missing-scaling-bwd"),
+          INVALID + r"extra_fp8_variables must be a dict whose num_gemms is this module's 1, "
+          r"got \{'num_gemms': 2\}", "other-module-two-gemms"),
+    _case(_edit(_pop("scale_bwd")), ValueError,
+          INVALID + r"scale_bwd and amax_history_bwd: .* got None and ", "missing-scale-bwd"),
     _case(_edit(lambda d: d.update(version=2)), ValueError,
-          r"expected a dict with keys .*got \['recipe', 'scaling_bwd', 'scaling_fwd', "
-          r"'version'\]", "extra-top-level-key"),
-    _case(_edit(lambda d: d["scaling_fwd"].update(amax=torch.ones(2))), ValueError,
-          r"scaling_fwd: expected a dict with keys \['amax_history', 'scale', 'scale_inv'\], got "
-          r"\['amax', 'amax_history', 'scale', 'scale_inv'\]", "extra-state-key"),
-    _case(_edit(_set(("scaling_fwd",), lambda s: None)), ValueError,
+          r"expected a dict with keys 'recipe' and 'extra_fp8_variables' and optionally "
+          r"\[.*\], got \[.*'version'\]", "extra-top-level-key"),
+    _case(_edit(_pop("extra_fp8_variables")), ValueError,
+          r"expected a dict with keys 'recipe' and 'extra_fp8_variables'", "no-extra-variables"),
+    _case(_edit(_pop("scale_fwd", "amax_history_fwd")), ValueError,
           INVALID + "scaling_fwd and scaling_bwd must both be present or both None",
           "one-state-missing"),
-    _case(_edit(lambda d: d.update(scaling_fwd=None, scaling_bwd=None)), ValueError,
-          "a DelayedScaling recipe comes with its scaling state", "delayed-recipe-no-state"),
-    _case(_edit(_set(("scaling_bwd", "amax_history"), lambda h: torch.cat([h, h]))), ValueError,
+    _case(_edit(_pop("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")),
+          ValueError, "a DelayedScaling recipe comes with its scaling state",
+          "delayed-recipe-no-state"),
+    _case(_edit(_set("amax_history_bwd", lambda h: torch.cat([h, h]))), ValueError,
           "the forward and backward amax histories differ in length: 3 and 6",
           "history-lengths-differ"),
     _case(_edit(_history_rows(5)), ValueError,
@@ -716,42 +734,41 @@ PAYLOAD_CASES = [
     _case(_edit(_history_rows(65537)), ValueError,
           r"scaling_fwd.amax_history: the length must be in \[1, 65536\], got 65537",
           "history-too-long"),
-    _case(_edit(_set(("recipe", "amax_compute_algo"), lambda a: collections.OrderedDict)),
+    _case(_edit(_set_recipe("amax_compute_algo", collections.OrderedDict)),
           ValueError, INVALID + r"recipe: amax_compute_algo must be one of \('max', "
           r"'most_recent'\), got <class 'collections.OrderedDict'>", "recipe-callable-amax-algo"),
-    _case(_edit(_set(("recipe", "amax_compute_algo"), lambda a: "mean")), ValueError,
+    _case(_edit(_set_recipe("scaling_factor_compute_algo", collections.OrderedDict)),
+          ValueError, INVALID + "recipe: scaling_factor_compute_algo must be None",
+          "recipe-callable-scale-algo"),
+    _case(_edit(_set_recipe("amax_compute_algo", "mean")), ValueError,
           r"recipe: amax_compute_algo must be one of .*got 'mean'", "recipe-amax-algo-unknown"),
-    _case(_edit(lambda d: d["recipe"].update(scaling_factor_compute_algo=None)), ValueError,
-          r"recipe: a DelayedScaling has the fields .*got \[.*'scaling_factor_compute_algo'",
-          "recipe-extra-field"),
-    _case(_edit(_set(("recipe", "margin"), lambda m: 200)), ValueError,
+    _case(_edit(_set_recipe("margin", 200)), ValueError,
           INVALID + "recipe: DelayedScaling: margin must be <= 6 for fp8_format=Format.HYBRID, "
           "got 200", "recipe-margin-underflows"),
-    _case(_edit(_set(("recipe", "reduce_amax"), lambda r: "yes")), ValueError,
+    _case(_edit(_set_recipe("reduce_amax", "yes")), ValueError,
           "recipe: DelayedScaling: reduce_amax must be a bool, got 'yes'", "recipe-reduce-amax"),
-    _case(_edit(_set(("recipe", "fp8_format"), lambda f: "E6M1")), ValueError,
+    _case(_edit(_set_recipe("fp8_format", "E6M1")), ValueError,
           r"recipe: fp8_format must be one of \['E4M3', 'E5M2', 'HYBRID'\], got 'E6M1'",
           "recipe-format-unknown"),
-    _case(_edit(_set(("recipe", "fp8_format"), lambda f: "E5M2")), ValueError,
+    _case(_edit(_set_recipe("fp8_format", Format.E5M2)), ValueError,
           "recipe: DelayedScaling: fp8_format=Format.E5M2 is not supported", "recipe-format-e5m2"),
-    _case(_edit(_set(("recipe", "type"), lambda t: "MXFP8BlockScaling")), ValueError,
-          r"recipe: expected None or a dict with 'type' one of \['DelayedScaling', "
-          r"'Float8BlockScaling', 'Float8CurrentScaling'\]", "recipe-unknown-type"),
-    _case(_edit(_set(("recipe",), lambda r: [r])), ValueError,
-          "recipe: expected None or a dict", "recipe-list"),
+    _case(_edit(_set("recipe", lambda r: MXFP8BlockScaling())), ValueError,
+          INVALID + "it refers to transformer_engine.common.recipe.MXFP8BlockScaling, which an "
+          "FP8 extra state never holds", "recipe-unknown-type"),
+    _case(_edit(_set("recipe", lambda r: [r])), ValueError,
+          "recipe: expected None or a DelayedScaling, Float8CurrentScaling or "
+          "Float8BlockScaling, got list", "recipe-list"),
+    _case(_edit(_set("recipe", lambda r: print)), ValueError,
+          INVALID + "it refers to builtins.print, which an FP8 extra state never holds",
+          "unsafe-pickle"),
     _case(lambda p: _encode([1, 2, 3]), ValueError,
-          INVALID + r"expected a dict with keys \['recipe', 'scaling_bwd', 'scaling_fwd'\], got "
-          "list", "payload-list"),
+          INVALID + r"expected a dict with keys 'recipe' and 'extra_fp8_variables' .*got list",
+          "payload-list"),
     _case(lambda p: p[: p.numel() // 2].clone(), ValueError,
-          INVALID + r"its bytes are not a complete torch.save archive \(truncated or corrupted",
+          INVALID + r"its bytes are not a complete pickle \(truncated or corrupted",
           "bytes-truncated"),
     _case(lambda p: torch.frombuffer(bytearray(b"not a checkpoint at all"), dtype=torch.uint8),
-          ValueError, INVALID + "its bytes are not a torch.save archive", "bytes-garbage"),
-    _case(lambda p: torch.zeros(0, dtype=torch.uint8).new_tensor(list(pickle.dumps({}))),
-          ValueError, INVALID + "its bytes are not a torch.save archive", "bytes-plain-pickle"),
-    _case(_unsafe_pickle, ValueError,
-          INVALID + r"torch.load\(weights_only=True\) refuses its contents \(objects other than "
-          "tensors and plain Python values", "unsafe-pickle"),
+          ValueError, INVALID + "its bytes are not a complete pickle", "bytes-garbage"),
     _case(lambda p: p.to(torch.float32), ValueError,
           INVALID + r"expected a 1-D uint8 tensor, got torch.float32 of shape", "payload-float"),
     _case(lambda p: p.reshape(1, -1), ValueError,
@@ -759,7 +776,30 @@ PAYLOAD_CASES = [
     _case(lambda p: p.numpy().tobytes(), TypeError,
           "Linear.set_extra_state: expected the uint8 tensor written by get_extra_state, got "
           "bytes", "payload-bytes"),
+    # the earlier layout, a torch.save archive, is still read (and checked) as before
+    _case(_archive(lambda d: d["scaling_fwd"].update(scale_inv=d["scaling_fwd"]["scale_inv"] * 2)),
+          ValueError, INVALID + "scaling_fwd.scale_inv: must be 1 / scale",
+          "archive-scale-inv-not-reciprocal"),
+    _case(_archive(lambda d: d.update(version=2)), ValueError,
+          r"expected a dict with keys \['recipe', 'scaling_bwd', 'scaling_fwd'\], got "
+          r"\['recipe', 'scaling_bwd', 'scaling_fwd', 'version'\]", "archive-extra-key"),
+    _case(_archive(lambda d: d.update(recipe=print)), ValueError,
+          INVALID + r"torch.load\(weights_only=True\) refuses its contents \(objects other than "
+          "tensors and plain Python values", "archive-unsafe"),
+    _case(lambda p: _archive(lambda d: None)(p)[:200].clone(), ValueError,
+          INVALID + r"its bytes are not a complete torch.save archive \(truncated or corrupted",
+          "archive-truncated"),
 ]
+
+
+def test_earlier_archive_layout_still_loads():
+    """A payload this package wrote before it took TE's layout (a torch.save archive)
+    loads: the same scales and histories."""
+    m = _trained(te.Linear(16, 16, device=CPU))
+    archive = _archive(lambda d: None)(m.get_extra_state())
+    target = te.Linear(16, 16, device=CPU)
+    target.set_extra_state(archive)
+    assert_states_equal(fp8_state_snapshot([target]), fp8_state_snapshot([m]), "archive load")
 
 
 def _fp8_meta_view(module):

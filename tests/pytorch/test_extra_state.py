@@ -36,6 +36,53 @@ def test_state_dict_round_trip_is_bit_identical(build):
     assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]), "one step later")
 
 
+def _grouped_step(m, recipe):
+    x = torch.randn(32, 16, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y = m(x, [16, 16])
+    y.float().pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("kind", ["layernorm-mlp", "grouped"])
+def test_payload_is_tes_layout(kind):
+    """The payload unpickles to TE's dict: recipe, extra_fp8_variables, and scales and
+    histories in TE's slots (3 forward, 2 backward per GEMM; GEMM by GEMM, or role by
+    role for GroupedLinear, as Megatron-LM's grouped-expert checkpointing splits them),
+    the slots this package does not use at scale 1 and zero history."""
+    import pickle
+    recipe = DelayedScaling(amax_history_len=3)
+    if kind == "grouped":
+        m = te.GroupedLinear(2, 16, 16, device=CPU)
+        for _ in range(2):
+            _grouped_step(m, recipe)
+    else:
+        m = te.LayerNormMLP(16, 32, device=CPU)
+        fp8_training_steps(m, recipe, [1.0, 4.0])
+    data = pickle.loads(m.get_extra_state().numpy().tobytes())
+    assert set(data) == {"recipe", "extra_fp8_variables", "scale_fwd", "amax_history_fwd",
+                         "scale_bwd", "amax_history_bwd"}
+    assert data["recipe"] == recipe and data["extra_fp8_variables"] == {"num_gemms": 2}
+    fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
+    # this package's slots: forward [input, weight] per GEMM, backward [grad_output]
+    if kind == "grouped":                      # role by role: input0 input1 weight0 weight1 ...
+        fwd_slots, bwd_slots = [0, 2, 1, 3], [0, 1]
+    else:                                      # GEMM by GEMM: in1 w1 out1 in2 w2 out2
+        fwd_slots, bwd_slots = [0, 1, 3, 4], [0, 2]
+    assert data["scale_fwd"].shape == (6,) and data["amax_history_fwd"].shape == (3, 6)
+    assert data["scale_bwd"].shape == (4,) and data["amax_history_bwd"].shape == (3, 4)
+    assert torch.equal(data["scale_fwd"][fwd_slots], fwd.scale)
+    assert torch.equal(data["amax_history_fwd"][:, fwd_slots], fwd.amax_history)
+    assert torch.equal(data["scale_bwd"][bwd_slots], bwd.scale)
+    assert torch.equal(data["amax_history_bwd"][:, bwd_slots], bwd.amax_history)
+    unused_fwd = [i for i in range(6) if i not in fwd_slots]
+    unused_bwd = [i for i in range(4) if i not in bwd_slots]
+    assert torch.equal(data["scale_fwd"][unused_fwd], torch.ones(2))
+    assert torch.equal(data["scale_bwd"][unused_bwd], torch.ones(2))
+    assert data["amax_history_fwd"][:, unused_fwd].count_nonzero() == 0
+    assert data["amax_history_bwd"][:, unused_bwd].count_nonzero() == 0
+    assert fwd.amax_history.count_nonzero() > 0 and not torch.equal(fwd.scale, torch.ones(4))
+
+
 def test_current_scaling_and_callable_recipes_round_trip():
     """A recipe that is not saved as data (a callable algorithm) travels as None with
     its state; current scaling travels as itself."""

@@ -84,6 +84,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
 
     FWD_TENSORS_PER_GEMM = 2
     BWD_TENSORS_PER_GEMM = 1
+    # TE orders a grouped module's saved FP8 slots role by role (NOTE [FP8 extra state
+    # payload] in extra_state.py)
+    FP8_SLOTS_ROLE_MAJOR = False
 
     def __init__(self, num_gemms: int = 1, name: Optional[str] = None):
         super().__init__()
@@ -209,18 +212,21 @@ class TransformerEngineBaseModule(ParameterInitMixin):
 
     # ---- FP8 state in state_dict (NOTE [FP8 extra state payload]) -------------------
     def get_extra_state(self) -> torch.Tensor:
-        """The FP8 state (recipe, scales, amax histories) as a uint8 tensor, so that it
-        travels in ``state_dict()`` and loads with ``torch.load(weights_only=True)``."""
-        return extra_state.save_fp8_state(self.fp8_meta)
+        """The FP8 state (recipe, scales, amax histories) as a uint8 tensor in TE's
+        layout, so that it travels in ``state_dict()`` (NOTE [FP8 extra state
+        payload])."""
+        return extra_state.save_fp8_state(self.fp8_meta, self._fp8_layout())
+
+    def _fp8_layout(self) -> extra_state.Layout:
+        return extra_state.Layout(self.fp8_meta["num_gemms"], self.FWD_TENSORS_PER_GEMM,
+                                  self.BWD_TENSORS_PER_GEMM, self.FP8_SLOTS_ROLE_MAJOR)
 
     def set_extra_state(self, state) -> None:
         """Load what `get_extra_state` wrote: all of it after checking all of it, or
         nothing (a ``ValueError`` naming this module says what is wrong). A saved
         history length that differs from a later recipe is adapted at that forward."""
         api = self.named_api(type(self).__name__)
-        loaded = extra_state.load_fp8_state(
-            state, f"{api}.set_extra_state", self.fp8_meta["num_gemms"],
-            self.FWD_TENSORS_PER_GEMM, self.BWD_TENSORS_PER_GEMM)
+        loaded = extra_state.load_fp8_state(state, f"{api}.set_extra_state", self._fp8_layout())
         if loaded is None:
             return
         device = self._meta_device()

@@ -3,28 +3,36 @@
 before it changes anything.
 
 NOTE [FP8 extra state payload]
-    The payload is a uint8 tensor holding the bytes of ``torch.save`` of a dict with
-    exactly the keys ``"recipe"``, ``"scaling_fwd"`` and ``"scaling_bwd"``:
+    The payload is TE's: a uint8 tensor holding ``pickle.dumps`` of a dict, the layout
+    Megatron-LM's grouped-expert checkpointing splits and merges per expert:
 
-    recipe       None (no recipe yet, or one with a callable algorithm, which cannot
-                 be saved as data: the autocast's recipe is adopted at the next
-                 forward), or the recipe's fields as plain values plus ``"type"``
-                 (a `QParams` / `MMParams` field as a dict of its fields). A current-
-                 or block-scaling recipe may leave out fields (older payloads hold
-                 only ``fp8_format``): they take their defaults.
-    scaling_*    None (no delayed-scaling state yet), or ``{"scale": [n],
-                 "scale_inv": [n], "amax_history": [L, n]}``, float32, with ``n`` the
-                 module's ``num_gemms`` times 2 (forward) or 1 (backward).
+    recipe               the recipe object, or None (no recipe yet, or one with a
+                         callable algorithm, which is not saved: the autocast's recipe
+                         is adopted at the next forward). Written as a fresh copy of
+                         its fields.
+    extra_fp8_variables  ``{"num_gemms": n}``.
+    scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd
+                         present when the module has delayed-scaling state: float32
+                         ``[k]`` and ``[L, k]`` in TE's slots, 3 per GEMM forward
+                         (input, weight, output) and 2 backward (grad output, grad
+                         input), GEMM by GEMM, or role by role for te.GroupedLinear
+                         (slot ``role * n + gemm``). The output and grad-input slots,
+                         which this package does not use, are written as scale 1 and
+                         zero history and dropped on load; ``scale_inv`` is not saved
+                         (``1 / scale``, as TE 2 does).
 
     A module with no FP8 state at all writes an empty tensor instead, and loading an
-    empty tensor changes nothing (as in TE). A payload is read with
-    ``torch.load(weights_only=True)`` and checked whole: keys exactly,
-    tensors float32 of the shapes this module needs, scales finite and at least the
-    smallest normal float32, ``scale_inv`` equal to ``1 / scale``, histories finite,
+    empty tensor changes nothing (as in TE). A payload is unpickled with an
+    allow-list (tensors, torch dtypes, this package's recipe classes; a tensor's
+    storage is read with ``torch.load(weights_only=True)``), so it cannot run code,
+    and checked whole: keys, ``num_gemms``, tensors float32 of the shapes this module
+    needs, scales finite and at least the smallest normal float32, histories finite,
     non-negative, of one length in ``[1, MAX_AMAX_HISTORY_LEN]`` (the recipe's
-    ``amax_history_len`` when the recipe is delayed scaling), the recipe through its
-    own validation. Only then is the module's state replaced, all of it; a refused
-    payload leaves the module as it was.
+    ``amax_history_len`` when the recipe is delayed scaling), the recipe rebuilt
+    through its own validation. Only then is the module's state replaced, all of it;
+    a refused payload leaves the module as it was. Payloads of this package's earlier
+    layout (a ``torch.save`` archive of ``{"recipe": <fields>, "scaling_fwd": {...},
+    "scaling_bwd": {...}}``) still load, through ``torch.load(weights_only=True)``.
 
     A history length that differs from the recipe in force at a later forward is
     adapted there (`quantize.resize_amax_history`: the oldest rows dropped, or zero
@@ -33,6 +41,7 @@ NOTE [FP8 extra state payload]
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import pickle
@@ -45,7 +54,7 @@ from ...common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling, Float8BlockS
 from ...common.recipe import GEMM_FIELDS, QUANT_FIELDS
 from ..scaling import ScalingState
 
-__all__ = ["LoadedFP8State", "save_fp8_state", "load_fp8_state"]
+__all__ = ["Layout", "LoadedFP8State", "save_fp8_state", "load_fp8_state"]
 
 _TOP_KEYS = frozenset(("recipe", "scaling_fwd", "scaling_bwd"))
 _STATE_KEYS = frozenset(("scale", "scale_inv", "amax_history"))
@@ -101,7 +110,32 @@ def _recipe_to_dict(recipe: Optional[Recipe]):
     raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
 
 
-def save_fp8_state(fp8_meta: dict) -> torch.Tensor:
+class Layout(NamedTuple):
+    """Where a module's FP8 tensors sit: its GEMMs, this package's slots per GEMM
+    (forward, backward), and whether TE orders its slots role by role
+    (te.GroupedLinear) rather than GEMM by GEMM."""
+
+    num_gemms: int
+    fwd_per_gemm: int
+    bwd_per_gemm: int
+    role_major: bool = False
+
+
+TE_FWD_PER_GEMM, TE_BWD_PER_GEMM = 3, 2
+_TE_KEYS = frozenset(("recipe", "extra_fp8_variables", "scale_fwd", "amax_history_fwd",
+                      "scale_bwd", "amax_history_bwd"))
+
+
+def _te_slots(layout: Layout, forward: bool) -> torch.Tensor:
+    """For each of this package's slots, in order, its slot in TE's layout."""
+    ours = layout.fwd_per_gemm if forward else layout.bwd_per_gemm
+    per_gemm = TE_FWD_PER_GEMM if forward else TE_BWD_PER_GEMM
+    n = layout.num_gemms
+    return torch.tensor([r * n + g if layout.role_major else g * per_gemm + r
+                         for g in range(n) for r in range(ours)], dtype=torch.long)
+
+
+def save_fp8_state(fp8_meta: dict, layout: Layout) -> torch.Tensor:
     """The payload of NOTE [FP8 extra state payload] for ``fp8_meta``; an empty uint8
     tensor when the module has no FP8 state at all (no recipe, no scaling state), as
     TE writes (Megatron-LM's grouped-expert checkpointing reads an empty tensor as "no
@@ -109,21 +143,26 @@ def save_fp8_state(fp8_meta: dict) -> torch.Tensor:
     if fp8_meta["recipe"] is None and fp8_meta["scaling_fwd"] is None \
             and fp8_meta["scaling_bwd"] is None:
         return torch.zeros(0, dtype=torch.uint8)
-    state = {"recipe": _recipe_to_dict(fp8_meta["recipe"])}
-    for key in ("scaling_fwd", "scaling_bwd"):
-        s = fp8_meta[key]
-        state[key] = None if s is None else {
-            "scale": s.scale.cpu(), "scale_inv": s.scale_inv.cpu(),
-            "amax_history": s.amax_history.cpu()}
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    fields = _recipe_to_dict(fp8_meta["recipe"])
+    state = {"recipe": None if fields is None else _check_recipe(fields),
+             "extra_fp8_variables": {"num_gemms": layout.num_gemms}}
+    for forward, direction in ((True, "fwd"), (False, "bwd")):
+        s = fp8_meta["scaling_" + direction]
+        if s is None:
+            continue
+        slots = _te_slots(layout, forward)
+        width = layout.num_gemms * (TE_FWD_PER_GEMM if forward else TE_BWD_PER_GEMM)
+        scale = torch.ones(width, dtype=torch.float32)
+        scale[slots] = s.scale.detach().cpu()
+        history = torch.zeros(s.amax_history.shape[0], width, dtype=torch.float32)
+        history[:, slots] = s.amax_history.detach().cpu()
+        state["scale_" + direction], state["amax_history_" + direction] = scale, history
+    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
 
 # ---- loading --------------------------------------------------------------------
 
-def load_fp8_state(payload, api: str, num_gemms: int, fwd_per_gemm: int,
-                   bwd_per_gemm: int) -> Optional[LoadedFP8State]:
+def load_fp8_state(payload, api: str, layout: Layout) -> Optional[LoadedFP8State]:
     """Read and check a payload (NOTE [FP8 extra state payload]); None for an empty
     one (nothing to load). ``api`` names the module in errors.
 
@@ -141,10 +180,19 @@ def load_fp8_state(payload, api: str, num_gemms: int, fwd_per_gemm: int,
         raise TypeError(f"{api}: expected the uint8 tensor written by get_extra_state, "
                         f"got {type(payload).__name__}")
     try:
-        data = _read(payload)
-        recipe = _check_recipe(data["recipe"])
-        fwd = _check_state(data["scaling_fwd"], "scaling_fwd", num_gemms * fwd_per_gemm)
-        bwd = _check_state(data["scaling_bwd"], "scaling_bwd", num_gemms * bwd_per_gemm)
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise InvalidPayload(f"expected a 1-D uint8 tensor, got {payload.dtype} of shape "
+                                 f"{tuple(payload.shape)}")
+        raw = payload.detach().cpu().numpy().tobytes()
+        if raw.startswith(_ZIP_MAGIC):
+            data = _read_archive(raw)
+            recipe = _check_recipe(data["recipe"])
+            fwd = _check_state(data["scaling_fwd"], "scaling_fwd",
+                               layout.num_gemms * layout.fwd_per_gemm)
+            bwd = _check_state(data["scaling_bwd"], "scaling_bwd",
+                               layout.num_gemms * layout.bwd_per_gemm)
+        else:
+            recipe, fwd, bwd = _read_te_layout(raw, layout)
         _check_lengths(recipe, fwd, bwd)
     except InvalidPayload as err:
         raise ValueError(f"{api}: the FP8 extra state is not a valid payload written by "
@@ -152,17 +200,10 @@ def load_fp8_state(payload, api: str, num_gemms: int, fwd_per_gemm: int,
     return LoadedFP8State(recipe, fwd, bwd)
 
 
-def _read(payload: torch.Tensor) -> dict:
-    """The payload's dict, loaded with ``weights_only=True``; torch's own errors (and
-    their advice to load untrusted bytes with ``weights_only=False``) are replaced
-    by a reason."""
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise InvalidPayload(f"expected a 1-D uint8 tensor, got {payload.dtype} of shape "
-                             f"{tuple(payload.shape)}")
-    raw = payload.detach().cpu().numpy().tobytes()
-    if not raw.startswith(_ZIP_MAGIC):
-        raise InvalidPayload("its bytes are not a torch.save archive (get_extra_state writes "
-                             "one; these do not start like one)")
+def _read_archive(raw: bytes) -> dict:
+    """A payload of the earlier layout, loaded with ``weights_only=True``; torch's own
+    errors (and their advice to load untrusted bytes with ``weights_only=False``) are
+    replaced by a reason."""
     try:
         data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
@@ -177,6 +218,102 @@ def _read(payload: torch.Tensor) -> dict:
         got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
         raise InvalidPayload(f"expected a dict with keys {sorted(_TOP_KEYS)}, got {got}")
     return data
+
+
+def _loaded_recipe_fields(recipe) -> dict:
+    """An unpickled recipe's fields as `_check_recipe` takes them (it was built without
+    its constructor: every field is checked again there)."""
+    kind = type(recipe).__name__
+    fields = {"type": kind}
+    try:
+        if kind == "DelayedScaling" and recipe.scaling_factor_compute_algo is not None:
+            raise InvalidPayload("recipe: scaling_factor_compute_algo must be None (a "
+                                 "callable cannot come from a payload)")
+        for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
+            value = getattr(recipe, name)
+            if name in _PARAMS_CLASSES and dataclasses.is_dataclass(value):
+                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            fields[name] = value.name if isinstance(value, Format) else value
+    except AttributeError as err:
+        raise InvalidPayload(f"recipe: a {kind} without a field ({err})") from None
+    return fields
+
+
+def _storage_from_bytes(raw: bytes):
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+
+
+_ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+            ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+            ("collections", "OrderedDict"): collections.OrderedDict}
+_ALLOWED.update({("transformer_engine.common.recipe", cls.__name__): cls
+                 for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format,
+                             type(Format.E4M3.value))})
+_ALLOWED.update({("transformer_engine.common.recipe_fields", cls.__name__): cls
+                 for cls in (QParams, MMParams)})
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Unpickles tensors, torch dtypes and this package's recipes, nothing else."""
+
+    def find_class(self, module: str, name: str):
+        found = _ALLOWED.get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None),
+                                                              torch.dtype):
+            found = getattr(torch, name)
+        if found is None:
+            raise InvalidPayload(f"it refers to {module}.{name}, which an FP8 extra state "
+                                 "never holds (only tensors, torch dtypes and recipes load)")
+        return found
+
+
+def _read_te_layout(raw: bytes, layout: Layout):
+    """``(recipe, scaling_fwd, scaling_bwd)`` of a payload in TE's layout."""
+    try:
+        data = _AllowListUnpickler(io.BytesIO(raw)).load()
+    except InvalidPayload:
+        raise
+    except Exception as err:   # whatever malformed bytes make the unpickler raise
+        raise InvalidPayload(f"its bytes are not a complete pickle (truncated or corrupted; "
+                             f"{type(err).__name__})") from None
+    if not isinstance(data, dict) or not ({"recipe", "extra_fp8_variables"} <= set(data)
+                                          <= _TE_KEYS):
+        got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise InvalidPayload(f"expected a dict with keys 'recipe' and 'extra_fp8_variables' "
+                             f"and optionally {sorted(_TE_KEYS - {'recipe', 'extra_fp8_variables'})},"
+                             f" got {got}")
+    extra = data["extra_fp8_variables"]
+    if not isinstance(extra, dict) or extra.get("num_gemms", layout.num_gemms) != layout.num_gemms:
+        raise InvalidPayload(f"extra_fp8_variables must be a dict whose num_gemms is this "
+                             f"module's {layout.num_gemms}, got {_describe(extra)}")
+    recipe = data["recipe"]
+    if recipe is not None:
+        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
+            raise InvalidPayload(f"recipe: expected None or a DelayedScaling, "
+                                 f"Float8CurrentScaling or Float8BlockScaling, got "
+                                 f"{type(recipe).__name__}")
+        recipe = _check_recipe(_loaded_recipe_fields(recipe))
+    states = []
+    for forward, direction in ((True, "fwd"), (False, "bwd")):
+        scale, history = data.get("scale_" + direction), data.get("amax_history_" + direction)
+        if scale is None and history is None:
+            states.append(None)
+            continue
+        width = layout.num_gemms * (TE_FWD_PER_GEMM if forward else TE_BWD_PER_GEMM)
+        if not (torch.is_tensor(scale) and torch.is_tensor(history) and scale.dim() == 1
+                and history.dim() == 2 and scale.shape[0] == width == history.shape[1]):
+            raise InvalidPayload(
+                f"scale_{direction} and amax_history_{direction}: this module's {width} slots "
+                f"(TE's layout) need tensors of shapes ({width},) and (amax_history_len, "
+                f"{width}), got {_describe_tensor(scale)} and {_describe_tensor(history)}")
+        slots = _te_slots(layout, forward)
+        picked = {"scale": scale[slots], "amax_history": history[:, slots]}
+        if picked["scale"].dtype == torch.float32:
+            picked["scale_inv"] = torch.reciprocal(picked["scale"])
+        else:
+            picked["scale_inv"] = picked["scale"]          # refused as not float32 below
+        states.append(_check_state(picked, "scaling_" + direction, len(slots)))
+    return recipe, states[0], states[1]
 
 
 def _check_recipe(data) -> Optional[Recipe]:
@@ -283,6 +420,10 @@ def _check_lengths(recipe: Optional[Recipe], fwd: Optional[ScalingState],
     if delayed and lengths[0] != recipe.amax_history_len:
         raise InvalidPayload(f"the amax histories have {lengths[0]} rows but the saved recipe "
                              f"has amax_history_len={recipe.amax_history_len}")
+
+
+def _describe_tensor(t) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if torch.is_tensor(t) else _describe(t)
 
 
 def _describe(value) -> str:

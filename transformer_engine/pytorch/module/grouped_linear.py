@@ -77,6 +77,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         ``ub_name`` is accepted (it only names a Userbuffers buffer).
     """
 
+    FP8_SLOTS_ROLE_MAJOR = True
+
     def __init__(self, num_gemms: int, in_features: int, out_features: int,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
                  tp_group=None, tp_size: int = 1, get_rng_state_tracker: Optional[Callable] = None,
