@@ -9,7 +9,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import quantize
-from helpers import assert_states_equal, fp8_state_snapshot, fp8_training_steps
+from helpers import assert_states_equal, cuda_fp8, fp8_state_snapshot, fp8_training_steps
 
 CPU = "cpu"
 MODULES = [
@@ -81,6 +81,26 @@ def test_payload_is_tes_layout(kind):
     assert data["amax_history_fwd"][:, unused_fwd].count_nonzero() == 0
     assert data["amax_history_bwd"][:, unused_bwd].count_nonzero() == 0
     assert fwd.amax_history.count_nonzero() > 0 and not torch.equal(fwd.scale, torch.ones(4))
+
+
+@cuda_fp8
+def test_cuda_module_round_trips_through_a_checkpoint_file():
+    """A CUDA module's state saved with torch.save and loaded into a fresh CUDA module:
+    bit for bit, the loaded tensors on the module's device."""
+    import io
+    recipe = DelayedScaling(amax_history_len=3)
+    a = te.Linear(16, 16, device="cuda")
+    for magnitude in (1.0, 4.0):
+        with te.autocast(recipe=recipe):
+            y = a(torch.randn(16, 16, device="cuda") * magnitude)
+        y.float().pow(2).mean().backward()
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = te.Linear(16, 16, device="cuda")
+    b.load_state_dict(torch.load(buf, weights_only=False))
+    assert b.fp8_meta["scaling_fwd"].scale.is_cuda
+    assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]), "after the load")
 
 
 def test_current_scaling_and_callable_recipes_round_trip():
