@@ -92,22 +92,33 @@ def _recipe_to_dict(recipe: Optional[Recipe]):
     """A recipe as plain data; None for a recipe with a callable algorithm."""
     if recipe is None:
         return None
-    if isinstance(recipe, DelayedScaling):
-        if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
-            return None
-        return {"type": "DelayedScaling", "margin": recipe.margin,
-                "fp8_format": recipe.fp8_format.name, "amax_history_len": recipe.amax_history_len,
-                "amax_compute_algo": recipe.amax_compute_algo, "reduce_amax": recipe.reduce_amax}
-    if isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling)):
-        kind = type(recipe).__name__
-        data = {"type": kind}
+    if isinstance(recipe, DelayedScaling) and (callable(recipe.amax_compute_algo)
+                                               or recipe.scaling_factor_compute_algo is not None):
+        return None
+    if not isinstance(recipe, tuple(_RECIPE_CLASSES.values())):
+        raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
+    return _recipe_fields(recipe)
+
+
+def _recipe_fields(recipe) -> dict:
+    """A recipe's fields as `_check_recipe` takes them. For an unpickled recipe (built
+    without its constructor) every field is checked again there; a callable cannot
+    come from a payload."""
+    # by isinstance: clients subclass the recipes (Megatron's TEDelayedScaling)
+    kind = next(name for name, cls in _RECIPE_CLASSES.items() if isinstance(recipe, cls))
+    fields = {"type": kind}
+    try:
+        if kind == "DelayedScaling" and recipe.scaling_factor_compute_algo is not None:
+            raise InvalidPayload("recipe: scaling_factor_compute_algo must be None (a "
+                                 "callable cannot come from a payload)")
         for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
             value = getattr(recipe, name)
-            if name in _PARAMS_CLASSES:
-                value = dataclasses.asdict(value)
-            data[name] = value.name if name == "fp8_format" else value
-        return data
-    raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
+            if name in _PARAMS_CLASSES and dataclasses.is_dataclass(value):
+                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            fields[name] = value.name if isinstance(value, Format) else value
+    except AttributeError as err:
+        raise InvalidPayload(f"recipe: a {kind} without a field ({err})") from None
+    return fields
 
 
 class Layout(NamedTuple):
@@ -220,25 +231,6 @@ def _read_archive(raw: bytes) -> dict:
     return data
 
 
-def _loaded_recipe_fields(recipe) -> dict:
-    """An unpickled recipe's fields as `_check_recipe` takes them (it was built without
-    its constructor: every field is checked again there)."""
-    kind = type(recipe).__name__
-    fields = {"type": kind}
-    try:
-        if kind == "DelayedScaling" and recipe.scaling_factor_compute_algo is not None:
-            raise InvalidPayload("recipe: scaling_factor_compute_algo must be None (a "
-                                 "callable cannot come from a payload)")
-        for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
-            value = getattr(recipe, name)
-            if name in _PARAMS_CLASSES and dataclasses.is_dataclass(value):
-                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-            fields[name] = value.name if isinstance(value, Format) else value
-    except AttributeError as err:
-        raise InvalidPayload(f"recipe: a {kind} without a field ({err})") from None
-    return fields
-
-
 def _storage_from_bytes(raw: bytes):
     return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
 
@@ -292,7 +284,7 @@ def _read_te_layout(raw: bytes, layout: Layout):
             raise InvalidPayload(f"recipe: expected None or a DelayedScaling, "
                                  f"Float8CurrentScaling or Float8BlockScaling, got "
                                  f"{type(recipe).__name__}")
-        recipe = _check_recipe(_loaded_recipe_fields(recipe))
+        recipe = _check_recipe(_recipe_fields(recipe))
     states = []
     for forward, direction in ((True, "fwd"), (False, "bwd")):
         scale, history = data.get("scale_" + direction), data.get("amax_history_" + direction)
