@@ -356,9 +356,10 @@ def check_mxfp8_support() -> Tuple[bool, str]:
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
-    """``(available, reason)`` for ``Float8BlockScaling``: its GEMMs are an exact float32
-    emulation (NOTE [Block scaling layout] in block_scaling.py) that needs only torch's
-    FP8 dtypes, so it runs wherever `check_fp8_support` says FP8 runs, and on any CUDA
+    """``(available, reason)`` for ``Float8BlockScaling``: its GEMMs run on Hopper's
+    block-scaled FP8 GEMM where they fit and are an exact float32 emulation elsewhere
+    (NOTE [Block scaling layout] in block_scaling.py), which needs only torch's FP8
+    dtypes, so it runs wherever `check_fp8_support` says FP8 runs, and on any CUDA
     device too."""
     if torch.cuda.is_available():
         return True, ""
