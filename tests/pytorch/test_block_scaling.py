@@ -244,6 +244,17 @@ def test_hopper_gemm_within_its_accumulation_bound(shape, dtypes, b_rows):
                            block_scaling.emulated_block_gemm(qa, qb, torch.float32))
 
 
+@hopper
+def test_float16_output_is_emulated():
+    """The hardware path was checked with float32 and bfloat16 outputs only: a float16
+    output takes the emulation, bit for bit, even where the shapes fit."""
+    qa = quantize_blocks(_varied(64, 256, 1).cuda(), E4M3, 1)
+    qb = quantize_blocks(_varied(128, 256, 2).cuda(), E4M3, 128)
+    assert block_scaling.hardware_gemm_fits(qa, qb)
+    assert torch.equal(block_scaling.block_gemm(qa, qb, torch.float16),
+                       block_scaling.emulated_block_gemm(qa, qb, torch.float16))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape, a_rows", [((12, 16, 256), 1), ((16, 136, 256), 1),
                                            ((256, 256, 256), 128)],

@@ -178,12 +178,13 @@ def block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``a @ b^T`` for block-scaled ``a`` [M, K] and ``b`` [N, K] (blocks along K), the
     bias added in float32 and the result rounded once to ``out_dtype``: on Hopper
-    through ``torch._scaled_mm``'s blockwise scales where `hardware_gemm_fits`, else
-    `emulated_block_gemm` (NOTE [Block scaling layout])."""
+    through ``torch._scaled_mm``'s blockwise scales where `hardware_gemm_fits` and the
+    output is float32 or bfloat16, else `emulated_block_gemm` (NOTE [Block scaling
+    layout])."""
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"block_scaling.block_gemm: inner dimensions differ: a is "
                          f"{tuple(a.data.shape)}, b is {tuple(b.data.shape)} (computing a @ b^T)")
-    if hardware_gemm_fits(a, b):
+    if out_dtype in _HARDWARE_OUT_DTYPES and hardware_gemm_fits(a, b):
         return _hardware_gemm(a, b, out_dtype, bias)
     return emulated_block_gemm(a, b, out_dtype, bias)
 
@@ -199,6 +200,8 @@ def emulated_block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch
 
 
 _HOPPER: dict = {}     # device index -> whether it is a Hopper GPU (SM 9.0)
+# the output dtypes the hardware path was checked with on an H200 (float16 is emulated)
+_HARDWARE_OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def hardware_gemm_fits(a: BlockScaledData, b: BlockScaledData) -> bool:
