@@ -299,12 +299,8 @@ def _read_te_layout(raw: bytes, layout: Layout):
                 f"(TE's layout) need tensors of shapes ({width},) and (amax_history_len, "
                 f"{width}), got {_describe_tensor(scale)} and {_describe_tensor(history)}")
         slots = _te_slots(layout, forward)
-        picked = {"scale": scale[slots], "amax_history": history[:, slots]}
-        if picked["scale"].dtype == torch.float32:
-            picked["scale_inv"] = torch.reciprocal(picked["scale"])
-        else:
-            picked["scale_inv"] = picked["scale"]          # refused as not float32 below
-        states.append(_check_state(picked, "scaling_" + direction, len(slots)))
+        states.append(_check_state({"scale": scale[slots], "amax_history": history[:, slots]},
+                                   "scaling_" + direction, len(slots), saved_inverse=False))
     return recipe, states[0], states[1]
 
 
@@ -354,23 +350,29 @@ def _check_params(name: str, cls, data):
         raise InvalidPayload(f"recipe: {name}: {err}") from None
 
 
-def _check_state(data, key: str, n: int) -> Optional[ScalingState]:
-    """A scaling state of ``n`` tensors, copied out of the payload."""
+def _check_state(data, key: str, n: int, saved_inverse: bool = True) -> Optional[ScalingState]:
+    """A scaling state of ``n`` tensors, copied out of the payload. ``saved_inverse``:
+    the payload holds ``scale_inv`` (the earlier layout), checked to be ``1 / scale``;
+    else (TE's layout) it is computed."""
     if data is None:
         return None
-    if not isinstance(data, dict) or set(data) != _STATE_KEYS:
+    keys = _STATE_KEYS if saved_inverse else _STATE_KEYS - {"scale_inv"}
+    if not isinstance(data, dict) or set(data) != keys:
         got = sorted(map(str, data)) if isinstance(data, dict) else _describe(data)
-        raise InvalidPayload(f"{key}: expected a dict with keys {sorted(_STATE_KEYS)}, got {got}")
+        raise InvalidPayload(f"{key}: expected a dict with keys {sorted(keys)}, got {got}")
     tensors = {}
     for name in ("scale", "scale_inv", "amax_history"):
+        if name not in keys:
+            continue
         t = data[name]
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.layout != torch.strided:
             got = f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else _describe(t)
             raise InvalidPayload(f"{key}.{name}: expected a float32 tensor, got {got}")
         tensors[name] = t.detach().clone().contiguous()
-    scale, scale_inv, history = tensors["scale"], tensors["scale_inv"], tensors["amax_history"]
+    scale, history = tensors["scale"], tensors["amax_history"]
+    scale_inv = tensors["scale_inv"] if saved_inverse else None
     for name, t in (("scale", scale), ("scale_inv", scale_inv)):
-        if tuple(t.shape) != (n,):
+        if t is not None and tuple(t.shape) != (n,):
             raise InvalidPayload(f"{key}.{name}: this module has {n} tensors here, so the shape "
                                  f"must be ({n},), got {tuple(t.shape)} (a state saved from a "
                                  "module with another number of GEMMs?)")
@@ -384,8 +386,10 @@ def _check_state(data, key: str, n: int) -> Optional[ScalingState]:
     if bool(bad.any()):
         raise InvalidPayload(f"{key}.scale: every scale must be finite and >= {_FP32_TINY} "
                              f"(the smallest normal float32), got {scale.tolist()}")
+    if scale_inv is None:
+        scale_inv = torch.reciprocal(scale)
     # 1 / scale in float32, to the rounding of the division
-    if not torch.allclose(scale_inv, torch.reciprocal(scale), rtol=2.0 ** -23, atol=0.0):
+    elif not torch.allclose(scale_inv, torch.reciprocal(scale), rtol=2.0 ** -23, atol=0.0):
         raise InvalidPayload(f"{key}.scale_inv: must be 1 / scale, got scale_inv "
                              f"{scale_inv.tolist()} for scale {scale.tolist()}")
     if not bool((torch.isfinite(history) & (history >= 0)).all()):
