@@ -20,6 +20,7 @@ TESTS=(
     tests/pytorch/test_checkpoint_callables.py
     tests/pytorch/test_checkpoint_api.py
     tests/pytorch/test_weight_cache.py
+    tests/pytorch/test_fp8_params.py
     tests/pytorch/test_skip_weight_update.py
     tests/pytorch/test_threads.py
     tests/pytorch/test_backward_update.py

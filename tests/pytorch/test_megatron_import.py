@@ -41,12 +41,14 @@ def test_fused_router_kernels_refuse(name, args):
         getattr(router, name)(*args)
 
 
-def test_no_tensor_is_a_quantized_tensor():
+def test_only_fp8_primary_weights_are_quantized_tensors():
     layer = te.LayerNormMLP(32, 64, device="cpu")
     assert issubclass(QuantizedTensor, torch.Tensor)
     assert not any(isinstance(p, QuantizedTensor) for p in layer.parameters())
-    with pytest.raises(NotImplementedError, match=r"QuantizedTensor: quantized \(FP8\) tensors"):
-        QuantizedTensor(torch.zeros(2))
+    with te.quantized_model_init():
+        fp8_layer = te.LayerNormMLP(32, 64, device="cpu")
+    assert [n for n, p in fp8_layer.named_parameters() if isinstance(p, QuantizedTensor)] == [
+        "fc1_weight", "fc2_weight"]
 
 
 @needs_megatron
@@ -60,6 +62,8 @@ def test_megatron_core_imports_with_te():
     assert mte.fused_moe_aux_loss is router.fused_moe_aux_loss
     assert fp8_utils.FP8_TENSOR_CLASS is QuantizedTensor
     assert not fp8_utils.is_float8tensor(torch.nn.Parameter(torch.zeros(2)))
+    with te.quantized_model_init():
+        assert fp8_utils.is_float8tensor(te.Linear(16, 16, device="cpu").weight)
 
 
 @needs_megatron

@@ -16,7 +16,9 @@ from packaging.version import Version
 
 import transformer_engine
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
+                                              Float8CurrentScaling, MXFP8BlockScaling,
+                                              NVFP4BlockScaling)
 from transformer_engine.pytorch import fp8
 
 from helpers import HAS_CUDA_FP8
@@ -163,12 +165,25 @@ def test_model_init_disabled_is_a_no_op(name):
 @pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
 @pytest.mark.parametrize("recipe", [None, DelayedScaling(), Float8CurrentScaling()],
                          ids=["default", "delayed", "current"])
-def test_model_init_enabled_raises_not_implemented(name, recipe):
+def test_model_init_enabled_builds_fp8_weights(name, recipe):
+    from transformer_engine.pytorch.tensor import Float8Tensor
+    kwargs = {} if recipe is None else {"recipe": recipe}
+    with getattr(fp8, name)(**kwargs):          # TE's default is enabled=True
+        assert fp8.FP8GlobalStateManager.with_fp8_parameters()
+        layer = te.Linear(16, 32, device="cpu")
+    assert isinstance(layer.weight, Float8Tensor) and type(layer.bias) is torch.nn.Parameter
+    assert not fp8.FP8GlobalStateManager.with_fp8_parameters()
+
+
+@pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), MXFP8BlockScaling(),
+                                    NVFP4BlockScaling()], ids=["block", "mxfp8", "nvfp4"])
+def test_model_init_refuses_recipes_without_per_tensor_weights(name, recipe):
     with pytest.raises(NotImplementedError,
-                       match=rf"te\.{name}\(enabled=True\): FP8 primary weights .* not implemented"):
+                       match=rf"te\.{name}\(enabled=True, recipe={type(recipe).__name__}\): FP8 "
+                             "primary weights are implemented for DelayedScaling and "
+                             "Float8CurrentScaling"):
         getattr(fp8, name)(enabled=True, recipe=recipe)
-    with pytest.raises(NotImplementedError, match=rf"te\.{name}\(enabled=True\)"):
-        getattr(fp8, name)()          # TE's default is enabled=True
 
 
 @pytest.mark.parametrize("kwargs, match", [

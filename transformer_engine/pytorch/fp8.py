@@ -69,10 +69,21 @@ class FP8GlobalStateManager:
     # ---- queries ---------------------------------------------------------------
     @classmethod
     def reset(cls) -> None:
-        """Back to no autocast on this thread, and no skip-update tensor (process-wide).
-        Pending backward updates still run."""
+        """Back to no autocast and no ``quantized_model_init`` on this thread, and no
+        skip-update tensor (process-wide). Pending backward updates still run."""
         _THREAD.state = _AutocastState()
+        _MODEL_INIT.state = _ModelInitState()
         _SkipWeightUpdate.tensor = None
+
+    @classmethod
+    def with_fp8_parameters(cls) -> bool:
+        """Whether modules built now get FP8 primary weights (``quantized_model_init``)."""
+        return _MODEL_INIT.state.enabled
+
+    @classmethod
+    def with_high_precision_init_val(cls) -> bool:
+        """Whether FP8 primary weights built now keep their initial value."""
+        return _MODEL_INIT.state.preserve_high_precision_init_val
 
     @classmethod
     def is_fp8_enabled(cls) -> bool:
@@ -366,6 +377,38 @@ def check_fp8_block_scaling_support() -> Tuple[bool, str]:
     return is_fp8_available(return_reason=True, device="cpu")
 
 
+@dataclass(frozen=True)
+class _ModelInitState:
+    """One thread's ``te.quantized_model_init`` state (NOTE [FP8 primary weights] in
+    module/fp8_params.py); replaced whole on enter, put back whole on exit."""
+
+    enabled: bool = False
+    recipe: Optional[Recipe] = None          # the read-only copy of the recipe in force
+    preserve_high_precision_init_val: bool = False
+
+
+class _ThreadModelInit(threading.local):
+    state: _ModelInitState = _ModelInitState()
+
+
+_MODEL_INIT = _ThreadModelInit()
+
+
+def model_init_state() -> _ModelInitState:
+    """The calling thread's ``quantized_model_init`` state, read by module constructors."""
+    return _MODEL_INIT.state
+
+
+@contextlib.contextmanager
+def _model_init_entered(state: _ModelInitState):
+    previous = _MODEL_INIT.state
+    _MODEL_INIT.state = state
+    try:
+        yield
+    finally:
+        _MODEL_INIT.state = previous
+
+
 def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
     if not isinstance(enabled, bool):
         raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
@@ -375,21 +418,32 @@ def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
     if not isinstance(preserve_high_precision_init_val, bool):
         raise TypeError(f"{api}: preserve_high_precision_init_val must be a bool, "
                         f"got {preserve_high_precision_init_val!r}")
+    checked = None
     if enabled:
-        raise NotImplementedError(
-            f"{api}(enabled=True): FP8 primary weights (parameters stored only in FP8) are not "
-            "implemented; modules keep high-precision weights and cast them in each FP8 forward")
-    # Disabled: modules are built with high-precision weights, which is all they do here.
-    return contextlib.nullcontext()
+        checked = validated_copy(recipe if recipe is not None else get_default_fp8_recipe())
+        if not (checked.delayed() or checked.float8_current_scaling()):
+            raise NotImplementedError(
+                f"{api}(enabled=True, recipe={type(checked).__name__}): FP8 primary weights are "
+                "implemented for DelayedScaling and Float8CurrentScaling (per-tensor scales) "
+                "only")
+    return _model_init_entered(_ModelInitState(enabled, checked,
+                                               enabled and preserve_high_precision_init_val))
 
 
 def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
                          preserve_high_precision_init_val: bool = False):
-    """Context in which TE modules would be built with quantized primary weights.
+    """Context in which TE modules are built with FP8 primary weights.
 
-    ``enabled=False`` is a no-op context (weights stay in high precision, as they always
-    are here). ``enabled=True`` raises NotImplementedError: FP8 primary weights are not
-    implemented. Arguments are checked when called.
+    With ``enabled=True`` the GEMM weights of the TE modules constructed inside are
+    `Float8Tensor` parameters, quantized with ``recipe`` (``DelayedScaling()`` when
+    None; DelayedScaling or Float8CurrentScaling), and no high-precision copy is
+    kept; the biases and norm parameters stay in high precision (NOTE [FP8 primary
+    weights] in module/fp8_params.py). ``preserve_high_precision_init_val=True``
+    keeps each weight's initial value on the CPU, read by the weight's
+    ``get_high_precision_init_val()`` (to seed an optimizer's master weights) and
+    dropped by ``clear_high_precision_init_val()``. ``enabled=False``: modules are
+    built as usual. Arguments are checked when called; the state is per thread and
+    put back on exit.
     """
     return _model_init("te.quantized_model_init", enabled, recipe,
                        preserve_high_precision_init_val)

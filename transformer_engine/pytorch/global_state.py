@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import recompute
-from .fp8 import FP8GlobalStateManager, _AutocastState
+from .fp8 import FP8GlobalStateManager, _AutocastState, _ModelInitState, model_init_state
 from .kernel_config import KernelConfig, get_kernel_config
 
 __all__ = ["GlobalStateSnapshot", "snapshot", "clean"]
@@ -15,9 +15,10 @@ __all__ = ["GlobalStateSnapshot", "snapshot", "clean"]
 class GlobalStateSnapshot(NamedTuple):
     """The calling thread's FP8 autocast state and recompute position, and, process-wide,
     the module-mode hook users, the checkpoint frames alive (call ``gc.collect()``
-    first to drop unreachable graphs), the kernel configuration and whether a
-    skip-update tensor is set (compare with ``==``; the autocast state is compared by
-    value, frames by identity)."""
+    first to drop unreachable graphs), the kernel configuration, whether a
+    skip-update tensor is set and the thread's ``quantized_model_init`` state
+    (compare with ``==``; the autocast state is compared by value, frames by
+    identity)."""
 
     autocast: _AutocastState
     recompute: recompute.RecomputePosition
@@ -25,6 +26,7 @@ class GlobalStateSnapshot(NamedTuple):
     live_frames: int
     kernels: KernelConfig
     skip_weight_update_set: bool = False
+    model_init: _ModelInitState = _ModelInitState()
 
 
 def snapshot() -> GlobalStateSnapshot:
@@ -32,7 +34,7 @@ def snapshot() -> GlobalStateSnapshot:
                                recompute.position(), recompute.mode_hook_users(),
                                len(recompute.live_frames()), get_kernel_config(),
                                FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
-                               is not None)
+                               is not None, model_init_state())
 
 
 def clean() -> GlobalStateSnapshot:

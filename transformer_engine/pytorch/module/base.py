@@ -11,9 +11,10 @@ import torch
 
 from ...common.recipe import DelayedScaling, Recipe
 from .. import distributed, quantize, recompute
-from ..fp8 import FP8GlobalStateManager
+from ..fp8 import FP8GlobalStateManager, model_init_state
 from ..scaling import ScalingState
-from . import extra_state
+from ..tensor import Float8Tensor
+from . import extra_state, fp8_params
 from .params import ParameterInitMixin
 
 __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
@@ -79,8 +80,10 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     ``"scaling_bwd"``) for its ``num_gemms`` GEMMs: forward tensors are
     ``[input, weight]`` per GEMM, backward tensors ``[grad_output]`` per GEMM.
     Parameters are registered with their initializers and ``reset_parameters()``
-    (re)initializes them (NOTE [Parameter initialization] in params.py). ``name``
-    is TE's debugging name; errors about the FP8 state quote it."""
+    (re)initializes them (NOTE [Parameter initialization] in params.py). Built under
+    ``te.quantized_model_init``, the GEMM weights are FP8 primary weights
+    (``primary_weights_in_fp8``; NOTE [FP8 primary weights] in fp8_params.py).
+    ``name`` is TE's debugging name; errors about the FP8 state quote it."""
 
     FWD_TENSORS_PER_GEMM = 2
     BWD_TENSORS_PER_GEMM = 1
@@ -100,6 +103,40 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         # reads it when it splits a grouped module's extra state)
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
                          "num_gemms": num_gemms, "fp8_checkpoint": False}
+        init = model_init_state()
+        self.primary_weights_in_fp8 = init.enabled
+        self.preserve_high_precision_init_val = init.preserve_high_precision_init_val
+        self.fp8_weight_recipe = init.recipe
+
+    # ---- FP8 primary weights (NOTE [FP8 primary weights]) ---------------------------
+    def _builds_fp8_weights(self) -> bool:
+        return self.primary_weights_in_fp8
+
+    def _after_reset_parameters(self, fp8_weights) -> None:
+        if fp8_weights:
+            if self.fp8_meta["recipe"] is None:
+                self._adopt_recipe(self.fp8_weight_recipe)
+            fp8_params.quantize_weights(self, self.fp8_weight_recipe,
+                                        self.preserve_high_precision_init_val, fp8_weights)
+
+    def fp8_weight_state(self) -> ScalingState:
+        """The delayed-scaling state FP8 primary weights are quantized with (made from
+        the model-init recipe if the module has none)."""
+        state = self.fp8_meta["scaling_fwd"]
+        if state is None:
+            self.init_fp8_meta_tensors(self.fp8_weight_recipe)
+            state = self.fp8_meta["scaling_fwd"]
+        return state
+
+    def __setstate__(self, state) -> None:
+        # pickling leaves a Float8Tensor's quantizer behind: bind this module's again
+        super().__setstate__(state)
+        if self.__dict__.get("primary_weights_in_fp8"):
+            for name, init in self._init_table().items():
+                param = self._parameters.get(name)
+                if isinstance(param, Float8Tensor) and init.fp8_weight_index is not None:
+                    param._quantizer = fp8_params.weight_quantizer(
+                        self, self.fp8_weight_recipe, init.fp8_weight_index, param.fp8_dtype)
 
     def named_api(self, api: str) -> str:
         """``api`` (e.g. ``"te.Linear"``) with this module's ``name`` when it has one,

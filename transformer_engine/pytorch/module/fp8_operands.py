@@ -41,7 +41,9 @@ import torch
 
 from .. import block_scaling, quantize
 from ..amax_update import non_finite_counter
+from ..tensor import Float8Tensor
 from .base import ForwardPlan
+from .fp8_params import weight_operands
 
 __all__ = ["cast_operand", "fp8_weight"]
 
@@ -70,7 +72,10 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
 def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, index: int,
                gemm: int, dtype: torch.dtype, transpose: bool):
     """The FP8 weight (and its transpose) of GEMM ``gemm`` for this call (NOTE [FP8
-    weight cache], NOTE [Skip-update flag])."""
+    weight cache], NOTE [Skip-update flag]); an FP8 primary weight is its own (NOTE
+    [FP8 primary weights] in fp8_params.py)."""
+    if isinstance(weight, Float8Tensor):
+        return weight_operands("FP8 GEMM", weight, plan.recipe, transpose)
     if plan.is_first_microbatch is None:        # no cache in use: the plain cast
         return cast_operand(weight, plan, state, index, dtype, plan.record_amax, "fwd_weight",
                             transpose=transpose)

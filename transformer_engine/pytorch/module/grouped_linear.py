@@ -114,7 +114,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         for i in range(num_gemms):
             self.register_initialized(
                 f"weight{i}", torch.empty(out_features, in_features, dtype=dtype, device=device),
-                weight_init)
+                dataclasses.replace(weight_init,
+                                    fp8_weight_index=self.FWD_TENSORS_PER_GEMM * i + 1))
             if self.use_bias:
                 self.register_initialized(
                     f"bias{i}", torch.empty(out_features, dtype=dtype, device=device),

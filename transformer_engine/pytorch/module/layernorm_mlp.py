@@ -212,7 +212,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
                                                  get_rng_state_tracker))
         register_linear_params(self, [("fc2_", hidden_size)], local_ffn, self.use_bias, dtype,
                                device, ParamInit(output_layer_init_method or normal_init,
-                                                 get_rng_state_tracker))
+                                                 get_rng_state_tracker),
+                               fp8_weight_index=self.FWD_TENSORS_PER_GEMM + 1)
         self.tp_fc1.mark_params(self.fc1_weight, self.fc1_bias)
         self.tp_fc2.mark_params(self.fc2_weight, self.fc2_bias)
         if self.tp_fc1.sequence_parallel and self.tp_fc1.size > 1:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .. import block_scaling, quantize
 from ..amax_update import request_backward_update
+from ..tensor import QuantizedTensor
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
@@ -144,6 +145,8 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if fuse_wgrad_accumulation:
         check_main_grad(api, weight)
     if not plan.fp8:
+        if isinstance(weight, QuantizedTensor) and not fuse_wgrad_accumulation:
+            weight = weight.dequantize()        # (the main-grad path reads the weight itself)
         if plan.record_amax:
             state = fp8_meta["scaling_fwd"]
             i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm

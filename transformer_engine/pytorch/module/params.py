@@ -14,16 +14,23 @@ NOTE [Parameter initialization]
     ``get_rng_state_tracker().fork(rng_tracker_name)`` when a tracker is given, as
     TE does, so that tensor-parallel shards draw from the rank's stream; constant
     initializers (biases, norm gains) use no RNG. A module built on ``meta``
-    defers all of this to the caller's ``reset_parameters()``.
+    defers all of this to the caller's ``reset_parameters()``. A GEMM weight of a
+    module built under ``te.quantized_model_init`` is initialized in high precision,
+    drawing what the high-precision weight would draw, and then quantized into a
+    `Float8Tensor` (NOTE [FP8 primary weights] in fp8_params.py); a reset writes the
+    new value into the same Float8Tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from ..tensor import QuantizedTensor
 
 __all__ = ["ParamInit", "ParameterInitMixin", "normal_init", "constant_init",
            "split_parameters", "materialize_device", "register_linear_params",
@@ -52,11 +59,14 @@ class constant_init:
 @dataclass(frozen=True)
 class ParamInit:
     """How one parameter is initialized: ``init_fn(param)``, under the RNG tracker's
-    ``fork(rng_tracker_name)`` when ``get_rng_state_tracker`` is given."""
+    ``fork(rng_tracker_name)`` when ``get_rng_state_tracker`` is given.
+    ``fp8_weight_index``: for a GEMM weight, its slot among the module's forward FP8
+    tensors (what an FP8 primary weight is quantized with), else None."""
 
     init_fn: Callable[[torch.Tensor], object]
     get_rng_state_tracker: Optional[Callable] = None
     rng_tracker_name: Optional[str] = None
+    fp8_weight_index: Optional[int] = None
 
     def rng_context(self):
         if self.get_rng_state_tracker is None:
@@ -93,6 +103,7 @@ class ParameterInitMixin(torch.nn.Module):
         ``defer_init=True`` does nothing (what a module built on ``meta`` calls)."""
         if defer_init:
             return
+        fp8_weights = []
         for name, init in self._init_table().items():
             param = getattr(self, name)
             if param is None:
@@ -103,12 +114,25 @@ class ParameterInitMixin(torch.nn.Module):
                 fresh.__dict__.update(param.__dict__)
                 setattr(self, name, fresh)
                 param = fresh
+            target = param
+            if init.fp8_weight_index is not None and self._builds_fp8_weights():
+                if isinstance(param, QuantizedTensor):    # a fresh value, quantized in place
+                    target = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+                fp8_weights.append((name, target, init.fp8_weight_index))
             with torch.no_grad(), init.rng_context():
-                init.init_fn(param)
-        self._after_reset_parameters()
+                init.init_fn(target)
+        self._after_reset_parameters(fp8_weights)
 
-    def _after_reset_parameters(self) -> None:
-        """Hook for state that lives on the parameters' device (FP8 scaling state)."""
+    def _builds_fp8_weights(self) -> bool:
+        """Whether GEMM weights are FP8 primary weights (a module built under
+        ``te.quantized_model_init``)."""
+        return False
+
+    def _after_reset_parameters(self, fp8_weights: List[Tuple[str, torch.Tensor, int]]
+                                ) -> None:
+        """Hook run after every parameter is initialized: ``fp8_weights`` are the
+        ``(name, initialized high-precision value, FP8 slot)`` of the GEMM weights to
+        quantize (empty unless `_builds_fp8_weights`)."""
 
 
 def split_parameters(api: str, parameters_split, out_features: int
@@ -153,13 +177,15 @@ def split_parameters(api: str, parameters_split, out_features: int
 
 def register_linear_params(module: ParameterInitMixin, parts: List[Tuple[str, int]],
                            in_features: int, use_bias: bool, dtype: torch.dtype,
-                           device: torch.device, weight_init: ParamInit
+                           device: torch.device, weight_init: ParamInit, fp8_weight_index: int = 1
                            ) -> Tuple[List[str], List[str]]:
     """Register a linear layer's weights (``[rows, in_features]`` per part) and then
     its biases, in TE's order: all weights first, then all biases. ``parts`` are the
     ``(name prefix, rows)`` pairs of `split_parameters` (rows already local to this
-    tensor-parallel rank). Without bias the bias names hold None. Returns the weight
+    tensor-parallel rank). Without bias the bias names hold None. The weights are
+    the forward FP8 tensor ``fp8_weight_index`` of the module. Returns the weight
     and bias names."""
+    weight_init = dataclasses.replace(weight_init, fp8_weight_index=fp8_weight_index)
     weight_names = [f"{prefix}weight" for prefix, _ in parts]
     bias_names = [f"{prefix}bias" for prefix, _ in parts]
     for (_, rows), name in zip(parts, weight_names):

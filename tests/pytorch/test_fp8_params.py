@@ -1,0 +1,419 @@
+"""FP8 primary weights (``te.quantized_model_init`` / ``te.fp8_model_init``): modules
+built under it hold their GEMM weights as Float8Tensor parameters, which the FP8
+GEMMs read as they are, optimizers and ``load_state_dict`` write by quantizing, and
+``te.checkpoint`` recomputes with bit for bit."""
+
+import copy
+import io
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_engine.pytorch as te
+from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
+                                              Float8CurrentScaling)
+from transformer_engine.pytorch.tensor import Float8Tensor, QuantizedTensor
+from transformer_engine.pytorch.tensor.float8_tensor import rebuild_float8_tensor
+import helpers
+from helpers import DEVICES, REENTRANT, assert_runs_equal, capture, te_modules
+from references import cast_scale, deq
+
+RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
+           pytest.param(Float8CurrentScaling(), id="current")]
+E4M3_MAX = 448.0
+
+
+def _reference_cast(value, scale):
+    """``value`` cast to E4M3 with ``scale``, in plain torch ops (saturating)."""
+    return torch.clamp(value.float() * scale, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _init_scale(recipe, value):
+    """The scale an FP8 primary weight is first quantized with: the fresh delayed scale
+    (1.0), or the value's own current scale."""
+    if recipe.delayed():
+        return torch.ones((), dtype=torch.float32, device=value.device)
+    return torch.tensor(E4M3_MAX, device=value.device) / value.abs().max().float()
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+# name -> (constructor, the FP8 weights' names)
+_MODULES = {
+    "Linear": (lambda d: te.Linear(32, 48, device=d), ["weight"]),
+    "LayerNormLinear": (lambda d: te.LayerNormLinear(32, 48, device=d), ["weight"]),
+    "LayerNormMLP": (lambda d: te.LayerNormMLP(32, 64, device=d), ["fc1_weight", "fc2_weight"]),
+    "GroupedLinear": (lambda d: te.GroupedLinear(2, 32, 48, device=d), ["weight0", "weight1"]),
+    "TransformerLayer": (lambda d: te.TransformerLayer(32, 64, 2, hidden_dropout=0.0,
+                                                       attention_dropout=0.0, device=d),
+                         ["self_attention.layernorm_qkv.query_weight",
+                          "self_attention.layernorm_qkv.key_weight",
+                          "self_attention.layernorm_qkv.value_weight",
+                          "self_attention.proj.weight", "layernorm_mlp.fc1_weight",
+                          "layernorm_mlp.fc2_weight"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(_MODULES))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gemm_weights_are_fp8_parameters_of_their_initial_value(kind, recipe):
+    build, fp8_names = _MODULES[kind]
+    torch.manual_seed(3)
+    plain = build("cpu")
+    torch.manual_seed(3)
+    with te.quantized_model_init(enabled=True, recipe=recipe,
+                                 preserve_high_precision_init_val=True):
+        model = build("cpu")
+    named = dict(model.named_parameters())
+    reference = dict(plain.named_parameters())
+    assert list(named) == list(reference), "parameter names and order change"
+    for name, p in named.items():
+        ref = reference[name]
+        assert isinstance(p, torch.nn.Parameter) and p.shape == ref.shape
+        if name not in fp8_names:
+            assert not isinstance(p, QuantizedTensor) and torch.equal(p, ref), name
+            continue
+        assert isinstance(p, Float8Tensor) and p.dtype == torch.float32 and p.requires_grad
+        assert p.fp8_dtype == torch.float8_e4m3fn
+        # drawn as the high-precision weight is, then quantized once
+        scale = _init_scale(recipe, ref.detach())
+        assert torch.equal(_bits(p._data), _bits(_reference_cast(ref.detach(), scale))), name
+        assert torch.equal(p._scale_inv, (1 / scale).reshape(1))
+        init = p.get_high_precision_init_val()
+        assert init.device.type == "cpu" and torch.equal(init, ref.detach())
+        p.clear_high_precision_init_val()
+        assert not hasattr(p, "get_high_precision_init_val")
+    if recipe.delayed():
+        # the weights' amaxes are in their GEMM's live history slot (split weights share
+        # one), for the first update
+        paths = {m: n for n, m in model.named_modules()}
+        for module in te_modules(model):
+            expected = {}
+            for name, p in module.named_parameters(recurse=False):
+                if isinstance(p, Float8Tensor):
+                    path = f"{paths[module]}.{name}" if paths[module] else name
+                    amax = reference[path].detach().abs().max()
+                    slot = p._quantizer.index
+                    expected[slot] = torch.maximum(expected.get(slot, amax), amax)
+            for slot, amax in expected.items():
+                assert torch.equal(module.fp8_meta["scaling_fwd"].amax_history[0, slot], amax)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_gemms_read_the_weights_own_bits(device, recipe):
+    with te.quantized_model_init(recipe=recipe):
+        lin = te.Linear(64, 32, device=device)
+    w = lin.weight
+    x = torch.randn(16, 64, device=device, requires_grad=True)
+    x_scale = cast_scale(lin, recipe, True, 0, x)       # (the autocast's exit updates it)
+    with te.autocast(recipe=recipe):
+        y = lin(x)
+    dy = torch.randn_like(y)
+    dy_scale = cast_scale(lin, recipe, False, 0, dy)
+    y.backward(dy)
+    w64 = w._data.double() * w._scale_inv.double()
+    x64, dy64 = deq(x, x_scale, torch.float8_e4m3fn), deq(dy, dy_scale, torch.float8_e5m2)
+    # products of FP8 values are exact; only the float32 sums round, far below a recast's
+    # FP8 rounding (relative 2^-4)
+    for got, ref in ((y, x64 @ w64.t() + lin.bias.double()), (x.grad, dy64 @ w64),
+                     (w.grad, dy64.t() @ x64)):
+        err = (got.double() - ref).abs().max() / ref.abs().max()
+        assert err < 1e-5, err
+    assert type(w.grad) is torch.Tensor and w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_outside_fp8_the_dequantized_weight_is_used(recipe):
+    with te.quantized_model_init(recipe=recipe):
+        lin = te.Linear(32, 16, device="cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    y = lin(x)
+    w = lin.weight.plain()
+    assert torch.equal(y, F.linear(x, w, lin.bias))
+    y.sum().backward()
+    assert torch.equal(lin.weight.grad, torch.ones(8, 16).t() @ x.detach())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_optimizer_step_quantizes_into_the_same_weight(device, recipe):
+    with te.quantized_model_init(recipe=recipe):
+        lin = te.Linear(32, 32, device=device)
+    w = lin.weight
+    data, scale_inv = w._data, w._scale_inv
+    x = torch.randn(16, 32, device=device)
+    with te.autocast(recipe=recipe):
+        y = lin(x)
+    y.pow(2).mean().backward()          # the autocast's exit updated the delayed scales
+    before = w.plain()
+    expected = before - 0.5 * w.grad
+    scale = (lin.fp8_meta["scaling_fwd"].scale[1] if recipe.delayed()
+             else torch.tensor(E4M3_MAX, device=device) / expected.abs().max())
+    live_before = lin.fp8_meta["scaling_fwd"].amax_history[0, 1].clone() \
+        if recipe.delayed() else None
+    torch.optim.SGD(lin.parameters(), lr=0.5).step()
+    assert lin.weight is w and w._data is data and w._scale_inv is scale_inv
+    assert torch.equal(_bits(w._data), _bits(_reference_cast(expected, scale)))
+    assert torch.equal(w._scale_inv, (1 / scale).reshape(1))
+    if recipe.delayed():
+        live = lin.fp8_meta["scaling_fwd"].amax_history[0, 1]
+        assert torch.equal(live, torch.maximum(live_before, expected.abs().max()))
+
+
+def test_adam_keeps_fp8_weights_and_high_precision_state():
+    with te.quantized_model_init():
+        mlp = te.LayerNormMLP(32, 64, device="cpu")
+    opt = torch.optim.AdamW(mlp.parameters(), lr=1e-2)
+    losses = []
+    x = torch.randn(16, 32)
+    for _ in range(5):
+        with te.autocast(recipe=DelayedScaling()):
+            loss = mlp(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert isinstance(mlp.fc1_weight, Float8Tensor) and isinstance(mlp.fc2_weight, Float8Tensor)
+    state = opt.state[mlp.fc1_weight]
+    assert type(state["exp_avg"]) is torch.Tensor and state["exp_avg"].dtype == torch.float32
+    assert losses[-1] < losses[0]
+
+
+def _model(recipe, seed, device="cpu"):
+    torch.manual_seed(seed)
+    with te.quantized_model_init(recipe=recipe):
+        return torch.nn.ModuleList([te.LayerNormMLP(32, 64, device=device),
+                                    te.Linear(32, 32, device=device)])
+
+
+def _run(model, recipe, checkpointed, use_reentrant, steps=3, device="cpu"):
+    """SGD steps with the FP8 autocast opened inside the (maybe checkpointed) forward."""
+    def forward(x):
+        with te.autocast(recipe=recipe):
+            return model[1](model[0](x))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    record = []
+    for step in range(steps):
+        g = torch.Generator(device=device).manual_seed(step)
+        x = torch.randn(16, 32, generator=g, device=device).requires_grad_()
+        y = helpers.maybe_checkpoint(checkpointed, use_reentrant, forward, x)
+        loss = y.float().pow(2).mean()
+        loss.backward()
+        record.append(capture(loss, [x], model.parameters(), te_modules(model)))
+        record.append([(p._data.clone(), p._scale_inv.clone())
+                       for p in model.parameters() if isinstance(p, Float8Tensor)])
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
+def _assert_records_equal(a, b):
+    assert_runs_equal(a[0::2], b[0::2])
+    for weights_a, weights_b in zip(a[1::2], b[1::2]):
+        for (d1, s1), (d2, s2) in zip(weights_a, weights_b):
+            assert torch.equal(_bits(d1), _bits(d2)) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_checkpointed_training_equals_training_without_it(device, use_reentrant, recipe):
+    model = _model(recipe, 0, device)
+    twin = copy.deepcopy(model)
+    ref = _run(model, recipe, False, use_reentrant, device=device)
+    got = _run(twin, recipe, True, use_reentrant, device=device)
+    _assert_records_equal(ref, got)
+
+
+def test_a_deep_copy_quantizes_with_its_own_state():
+    model = _model(DelayedScaling(), 0)
+    twin = copy.deepcopy(model)
+    w = twin[1].weight
+    assert w._quantizer._module() is twin[1]
+    before = model[1].fp8_meta["scaling_fwd"].amax_history.clone()
+    live = twin[1].fp8_meta["scaling_fwd"].amax_history[0, 1].clone()
+    written = w.plain() * 3.0
+    with torch.no_grad():
+        w.mul_(3.0)
+    assert torch.equal(model[1].fp8_meta["scaling_fwd"].amax_history, before)
+    # the amax of the value written (before its rounding to FP8)
+    assert torch.equal(twin[1].fp8_meta["scaling_fwd"].amax_history[0, 1],
+                       torch.maximum(live, written.abs().max()))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_state_dict_round_trips_bit_for_bit(recipe):
+    model = _model(recipe, 0)
+    _run(model, recipe, False, False, steps=2)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals([rebuild_float8_tensor]):
+        saved = torch.load(buffer, weights_only=True)
+    assert isinstance(saved["1.weight"], Float8Tensor)
+    fresh = _model(recipe, 99)
+    fresh.load_state_dict(saved)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert type(p) is type(q), name
+        if isinstance(p, Float8Tensor):
+            assert torch.equal(_bits(p._data), _bits(q._data)) and torch.equal(
+                p._scale_inv, q._scale_inv), name
+        else:
+            assert torch.equal(p, q), name
+    _assert_records_equal(_run(model, recipe, False, False, steps=2),
+                          _run(fresh, recipe, False, False, steps=2))
+
+
+def test_state_dicts_move_between_fp8_and_high_precision_modules():
+    recipe = DelayedScaling()
+    with te.quantized_model_init(recipe=recipe):
+        fp8_lin = te.Linear(32, 32, device="cpu")
+    plain = te.Linear(32, 32, device="cpu")
+    plain.load_state_dict(fp8_lin.state_dict())
+    assert not isinstance(plain.weight, QuantizedTensor)
+    assert torch.equal(plain.weight, fp8_lin.weight.plain())
+    # the other way: the value quantized with the module's scale for the weight
+    source = te.Linear(32, 32, device="cpu")
+    fp8_lin.load_state_dict(source.state_dict())
+    assert isinstance(fp8_lin.weight, Float8Tensor)
+    scale = fp8_lin.fp8_meta["scaling_fwd"].scale[1]
+    assert torch.equal(_bits(fp8_lin.weight._data),
+                       _bits(_reference_cast(source.weight.detach(), scale)))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_micro_batches_read_the_fp8_weight(recipe):
+    with te.quantized_model_init(recipe=recipe):
+        lin = te.Linear(32, 32, device="cpu")
+    x = torch.randn(16, 32)
+    with te.autocast(recipe=recipe):        # one autocast: the same scales throughout
+        outs = [lin(x, is_first_microbatch=first) for first in (None, True, False)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert "fp8_weight_cache" not in lin.fp8_meta
+
+
+def test_deferred_initialization_makes_fp8_weights():
+    torch.manual_seed(5)
+    with te.quantized_model_init():
+        eager = te.Linear(32, 48, device="cpu")
+    with te.quantized_model_init():
+        deferred = te.Linear(32, 48, device="meta")
+    assert not isinstance(deferred.weight, QuantizedTensor) and deferred.weight.is_meta
+    torch.manual_seed(5)
+    deferred.reset_parameters()
+    assert isinstance(deferred.weight, Float8Tensor) and deferred.weight.device.type == "cpu"
+    assert torch.equal(_bits(deferred.weight._data), _bits(eager.weight._data))
+    # a second reset draws a new value into the same parameter
+    w = deferred.weight
+    deferred.reset_parameters()
+    assert deferred.weight is w and not torch.equal(_bits(w._data), _bits(eager.weight._data))
+
+
+def test_bfloat16_params_give_bfloat16_gradients():
+    with te.quantized_model_init():
+        lin = te.Linear(32, 32, params_dtype=torch.bfloat16, device="cpu")
+    assert isinstance(lin.weight, Float8Tensor) and lin.weight.dtype == torch.bfloat16
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    with te.autocast():
+        lin(x).float().sum().backward()
+    assert lin.weight.grad.dtype == torch.bfloat16
+
+
+def test_block_scaling_is_refused_cleanly():
+    with pytest.raises(NotImplementedError, match=r"te\.quantized_model_init\(enabled=True, "
+                       r"recipe=Float8BlockScaling\): FP8 primary weights"):
+        te.quantized_model_init(recipe=Float8BlockScaling())
+    with te.quantized_model_init():
+        lin = te.Linear(128, 128, device="cpu")
+    with pytest.raises(NotImplementedError, match=r"FP8 primary weight .* Float8BlockScaling"):
+        with te.autocast(recipe=Float8BlockScaling()):
+            lin(torch.randn(16, 128))
+
+
+def test_the_context_is_per_thread_and_restored_on_error():
+    with pytest.raises(RuntimeError, match="inside"):
+        with te.quantized_model_init():
+            assert te.FP8GlobalStateManager.with_fp8_parameters()
+            seen = []
+            thread = threading.Thread(
+                target=lambda: seen.append(te.FP8GlobalStateManager.with_fp8_parameters()))
+            thread.start()
+            thread.join()
+            assert seen == [False]
+            raise RuntimeError("inside")
+    assert not te.FP8GlobalStateManager.with_fp8_parameters()
+    assert not isinstance(te.Linear(16, 16, device="cpu").weight, QuantizedTensor)
+
+
+# ---- Float8Tensor as a torch tensor ---------------------------------------------------------
+
+def _tensor():
+    with te.quantized_model_init(recipe=Float8CurrentScaling()):
+        return te.Linear(16, 8, device="cpu").weight
+
+
+def test_reads_see_the_dequantized_value():
+    w = _tensor()
+    value = w.plain()
+    assert type(w + 1) is torch.Tensor and torch.equal(w + 1, value + 1)
+    assert type(torch.zeros_like(w)) is torch.Tensor
+    assert torch.equal(torch.cat([w, w]), torch.cat([value, value]))
+    converted = w.to(torch.bfloat16)
+    assert type(converted) is torch.Tensor and torch.equal(converted, value.bfloat16())
+    assert "Float8Tensor(fp8_dtype=torch.float8_e4m3fn" in repr(w)
+
+
+def test_aliases_share_and_copies_copy_the_fp8_bits():
+    w = _tensor()
+    alias, clone = w.detach(), w.clone()
+    assert alias._data is w._data and type(w.data) is Float8Tensor
+    assert clone._data is not w._data and torch.equal(_bits(clone._data), _bits(w._data))
+    with torch.no_grad():
+        w.data.mul_(2.0)                     # through .data: the parameter changes
+    assert torch.equal(w.plain(), alias.plain()) and not torch.equal(w.plain(), clone.plain())
+    other = Float8Tensor(torch.zeros(8, 16, dtype=torch.float8_e4m3fn),
+                         torch.tensor([0.5]), torch.float32)
+    other.copy_(w)
+    assert torch.equal(_bits(other._data), _bits(w._data)) and torch.equal(
+        other._scale_inv, w._scale_inv)
+
+
+def test_quantized_tensor_is_abstract_and_float8_tensor_checks_its_parts():
+    with pytest.raises(TypeError, match="QuantizedTensor is an abstract base class"):
+        QuantizedTensor(torch.zeros(2))
+    with pytest.raises(TypeError, match="data must be a tensor of an FP8 dtype"):
+        Float8Tensor(torch.zeros(2), torch.ones(1), torch.float32)
+    with pytest.raises(TypeError, match="scale_inv must be a one-element float32 tensor"):
+        Float8Tensor(torch.zeros(2, dtype=torch.float8_e4m3fn), torch.ones(2), torch.float32)
+    with pytest.raises(TypeError, match="nominal dtype"):
+        Float8Tensor(torch.zeros(2, dtype=torch.float8_e4m3fn), torch.ones(1), torch.int32)
+
+
+@helpers.cuda_fp8
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_graphed_steps_read_the_updated_fp8_weights(recipe):
+    """The optimizer writes the FP8 weights in place between replays; a graphed step
+    equals the eager step bit for bit, the weights too."""
+    torch.manual_seed(11)
+    with te.quantized_model_init(recipe=recipe):
+        model = te.LayerNormMLP(64, 128, params_dtype=torch.bfloat16, device="cuda")
+    eager_model = copy.deepcopy(model)
+
+    def eager(m, x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+
+    ref = helpers.train_steps(eager_model, (32, 64), eager, 4)
+    te.make_graphed_callables(model, (helpers.cuda_inputs((32, 64), 0).requires_grad_(),),
+                              enabled=True, recipe=recipe)
+    got = helpers.train_steps(model, (32, 64), lambda m, x: m(x), 4)
+    assert_runs_equal(ref, got)
+    for a, b in zip(eager_model.parameters(), model.parameters()):
+        if isinstance(a, Float8Tensor):
+            assert torch.equal(_bits(a._data), _bits(b._data))
+            assert torch.equal(a._scale_inv, b._scale_inv)
