@@ -363,8 +363,24 @@ def test_reads_see_the_dequantized_value():
     assert type(w + 1) is torch.Tensor and torch.equal(w + 1, value + 1)
     assert type(torch.zeros_like(w)) is torch.Tensor
     assert torch.equal(torch.cat([w, w]), torch.cat([value, value]))
+    assert type(w.dequantize()) is torch.Tensor and torch.equal(w.dequantize(), value)
+    assert "Float8Tensor(fp8_dtype=torch.float8_e4m3fn" in repr(w)
+
+
+def test_conversions_keep_the_fp8_data():
+    with te.quantized_model_init():
+        lin = te.Linear(16, 8, device="cpu")
+    w = lin.weight
     converted = w.to(torch.bfloat16)
-    assert type(converted) is torch.Tensor and torch.equal(converted, value.bfloat16())
+    assert type(converted) is Float8Tensor and converted.dtype == torch.bfloat16
+    assert converted._data is not w._data and torch.equal(_bits(converted._data), _bits(w._data))
+    assert torch.equal(converted.plain(), w.plain().bfloat16())
+    lin.to(torch.bfloat16)          # a module conversion keeps FP8 weights (and no other copy)
+    assert type(lin.weight) is Float8Tensor and lin.weight.dtype == torch.bfloat16
+    assert lin.weight._quantizer._module() is lin and lin.bias.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError):
+        lin.weight.untyped_storage().data_ptr()     # the wrapper allocates no storage
+    assert type(w.to(torch.int32)) is torch.Tensor
     assert "Float8Tensor(fp8_dtype=torch.float8_e4m3fn" in repr(w)
 
 

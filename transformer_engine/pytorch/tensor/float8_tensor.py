@@ -20,8 +20,9 @@ NOTE [Quantized tensor semantics]
       (module/fp8_params.py); for a tensor without one, current scaling from its own
       amax. ``copy_`` from a Float8Tensor of the same FP8 dtype copies the bits;
     - ``detach`` (and ``.data``) share ``_data`` and ``_scale_inv``, ``clone`` copies
-      them, a move to another device keeps the tensor FP8, a conversion to another
-      dtype (``.float()``, ``.to(torch.bfloat16)``) dequantizes.
+      them, and ``.to`` another device or floating dtype copies them into a
+      Float8Tensor of that device and nominal dtype (so ``module.to(torch.bfloat16)``
+      keeps FP8 weights). ``dequantize()`` gives an ordinary tensor.
 
     An FP8 GEMM takes ``_data`` and ``_scale_inv`` as they are: no cast, no amax.
     ``torch.save`` writes the FP8 bits and ``scale_inv`` (not the quantizer); reading
@@ -280,14 +281,16 @@ def _copy(args, kwargs):
 
 def _to_copy(args, kwargs):
     t = args[0]
-    dtype = kwargs.get("dtype")
-    same_kind = (dtype is None or dtype == t.dtype) and kwargs.get("layout") in (None, torch.strided) \
-        and not kwargs.get("pin_memory")
-    if same_kind:       # a move to another device keeps the FP8 data
+    dtype = kwargs.get("dtype") or t.dtype
+    if dtype in _NOMINAL_DTYPES and kwargs.get("layout") in (None, torch.strided) \
+            and not kwargs.get("pin_memory"):
+        # another device or nominal dtype: a copy of the FP8 data, still FP8 (what
+        # module.to(device) and module.to(torch.bfloat16) need)
         device = kwargs.get("device") or t.device
         non_blocking = bool(kwargs.get("non_blocking", False))
-        return t._with(t._data.to(device, non_blocking=non_blocking),
-                       t._scale_inv.to(device, non_blocking=non_blocking))
+        return Float8Tensor(t._data.to(device, non_blocking=non_blocking, copy=True),
+                            t._scale_inv.to(device, non_blocking=non_blocking, copy=True),
+                            dtype, t._quantizer)
     return _aten._to_copy.default(t.plain(), **kwargs)
 
 
