@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
                                               Float8CurrentScaling)
+from transformer_engine.pytorch.module.params import materialize_device
 from transformer_engine.pytorch.tensor import Float8Tensor, QuantizedTensor
 from transformer_engine.pytorch.tensor.float8_tensor import rebuild_float8_tensor
 import helpers
@@ -118,12 +119,13 @@ def test_fp8_gemms_read_the_weights_own_bits(device, recipe):
     y.backward(dy)
     w64 = w._data.double() * w._scale_inv.double()
     x64, dy64 = deq(x, x_scale, torch.float8_e4m3fn), deq(dy, dy_scale, torch.float8_e5m2)
-    # products of FP8 values are exact; only the float32 sums round, far below a recast's
-    # FP8 rounding (relative 2^-4)
+    # products of FP8 values are exact; only the sums round: in float32 on the CPU, in
+    # Hopper's FP8 accumulation (about 2^-13 relative, measured up to 1.0e-4) on CUDA
+    bound = 1e-5 if device == "cpu" else 2.0 ** -11
     for got, ref in ((y, x64 @ w64.t() + lin.bias.double()), (x.grad, dy64 @ w64),
                      (w.grad, dy64.t() @ x64)):
         err = (got.double() - ref).abs().max() / ref.abs().max()
-        assert err < 1e-5, err
+        assert err < bound, err
     assert type(w.grad) is torch.Tensor and w.grad.dtype == torch.float32
 
 
@@ -306,12 +308,14 @@ def test_deferred_initialization_makes_fp8_weights():
     assert not isinstance(deferred.weight, QuantizedTensor) and deferred.weight.is_meta
     torch.manual_seed(5)
     deferred.reset_parameters()
-    assert isinstance(deferred.weight, Float8Tensor) and deferred.weight.device.type == "cpu"
-    assert torch.equal(_bits(deferred.weight._data), _bits(eager.weight._data))
+    assert isinstance(deferred.weight, Float8Tensor)
+    assert deferred.weight.device == materialize_device()
+    assert torch.equal(_bits(deferred.weight._data.cpu()), _bits(eager.weight._data))
     # a second reset draws a new value into the same parameter
     w = deferred.weight
     deferred.reset_parameters()
-    assert deferred.weight is w and not torch.equal(_bits(w._data), _bits(eager.weight._data))
+    assert deferred.weight is w
+    assert not torch.equal(_bits(w._data.cpu()), _bits(eager.weight._data))
 
 
 def test_bfloat16_params_give_bfloat16_gradients():
