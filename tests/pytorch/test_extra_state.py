@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from transformer_engine.pytorch import quantize
 from helpers import assert_states_equal, cuda_fp8, fp8_state_snapshot, fp8_training_steps
 
@@ -172,3 +172,140 @@ def test_loaded_history_is_adapted_to_the_recipe_in_force(new_len):
     scale = loaded.fp8_meta["scaling_fwd"].scale
     torch.testing.assert_close(scale[0].double(), torch.tensor(expect, dtype=torch.float64),
                                rtol=2 ** -23, atol=0)
+
+
+# ---- payloads written by NVIDIA's TE ---------------------------------------------------------
+
+# A stand-in for NVIDIA's transformer_engine.common.recipe, as far as its pickles show it:
+# the classes' module and names, their fields (TE 2.x documentation) and TE's Format
+# values, (max_fwd, max_bwd) pairs. It runs in a separate process, so that these classes,
+# not this package's, are the ones pickled.
+_TE_RECIPE_MODULE = '''
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+class _FormatHelper(NamedTuple):
+    max_fwd: float
+    max_bwd: float
+
+class Format(enum.Enum):
+    E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
+    E5M2 = _FormatHelper(max_fwd=57344, max_bwd=57344)
+    HYBRID = _FormatHelper(max_fwd=E4M3.max_fwd, max_bwd=E5M2.max_bwd)
+
+@dataclass(frozen=True)
+class MMParams:
+    use_split_accumulator: bool = True
+
+@dataclass(frozen=True)
+class QParams:
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+class Recipe:
+    pass
+
+@dataclass()
+class DelayedScaling(Recipe):
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    scaling_factor_compute_algo: Optional[object] = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+@dataclass()
+class Float8CurrentScaling(Recipe):
+    fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = QParams()
+    fp8_quant_fwd_weight: QParams = QParams()
+    fp8_quant_bwd_grad: QParams = QParams()
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+'''
+
+_TE_WRITER = '''
+import pickle, sys, torch
+from transformer_engine.common import recipe as r
+kind = sys.argv[2]
+if kind == "delayed":
+    rec = r.DelayedScaling(margin=1, fp8_format=r.Format.E4M3, amax_history_len=4,
+                           amax_compute_algo="most_recent")
+elif kind == "current":
+    rec = r.Float8CurrentScaling(fp8_quant_fwd_inp=r.QParams(power_2_scale=True,
+                                                             amax_epsilon=1e-3))
+else:
+    rec = r.Float8CurrentScaling(fp8_quant_bwd_grad=r.QParams(stochastic_rounding=True))
+state = {"recipe": rec, "extra_fp8_variables": {"num_gemms": 1, "fp8_checkpoint": True},
+         "scale_fwd": torch.tensor([2.0, 4.0, 1.0]),
+         "amax_history_fwd": torch.arange(12, dtype=torch.float32).reshape(4, 3) / 8,
+         "scale_bwd": torch.tensor([0.5, 1.0]),
+         "amax_history_bwd": torch.arange(8, dtype=torch.float32).reshape(4, 2) / 4}
+if kind != "delayed":
+    state = {k: state[k] for k in ("recipe", "extra_fp8_variables")}
+with open(sys.argv[1], "wb") as f:
+    f.write(pickle.dumps(state))
+'''
+
+
+def _te_written_payload(tmp_path, kind):
+    import subprocess
+    import sys
+    package = tmp_path / "te" / "transformer_engine"
+    (package / "common").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "common" / "__init__.py").write_text("")
+    (package / "common" / "recipe.py").write_text(_TE_RECIPE_MODULE)
+    out = tmp_path / "payload.bin"
+    env = {"PYTHONPATH": str(tmp_path / "te"), "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", _TE_WRITER, str(out), kind], check=True, env=env,
+                   cwd=tmp_path)
+    return torch.frombuffer(bytearray(out.read_bytes()), dtype=torch.uint8)
+
+
+def test_delayed_scaling_state_written_by_nvidias_te_loads(tmp_path):
+    payload = _te_written_payload(tmp_path, "delayed")
+    lin = te.Linear(16, 16, device="cpu")
+    lin.set_extra_state(payload)
+    recipe = lin.fp8_meta["recipe"]
+    assert type(recipe) is DelayedScaling
+    assert (recipe.margin, recipe.fp8_format, recipe.amax_history_len,
+            recipe.amax_compute_algo) == (1, Format.E4M3, 4, "most_recent")
+    fwd, bwd = lin.fp8_meta["scaling_fwd"], lin.fp8_meta["scaling_bwd"]
+    # TE's slots: input, weight (output dropped); grad output (grad input dropped)
+    assert torch.equal(fwd.scale, torch.tensor([2.0, 4.0]))
+    assert torch.equal(fwd.scale_inv, torch.tensor([0.5, 0.25]))
+    assert torch.equal(fwd.amax_history, torch.arange(12.0).reshape(4, 3)[:, :2] / 8)
+    assert torch.equal(bwd.scale, torch.tensor([0.5]))
+    assert torch.equal(bwd.amax_history, torch.arange(8.0).reshape(4, 2)[:, :1] / 4)
+    # and it trains on from there
+    fp8_training_steps(lin, recipe)
+
+
+def test_current_scaling_recipe_written_by_nvidias_te_loads(tmp_path):
+    lin = te.Linear(16, 16, device="cpu")
+    lin.set_extra_state(_te_written_payload(tmp_path, "current"))
+    recipe = lin.fp8_meta["recipe"]
+    assert type(recipe) is Float8CurrentScaling
+    assert recipe.fp8_quant_fwd_inp.power_2_scale is True
+    assert recipe.fp8_quant_fwd_inp.amax_epsilon == 1e-3
+    assert recipe.fp8_gemm_fprop.use_split_accumulator is False
+    assert recipe.fp8_format == Format.HYBRID
+
+
+def test_nvidias_te_options_not_implemented_here_are_refused(tmp_path):
+    lin = te.Linear(16, 16, device="cpu")
+    before = dict(lin.fp8_meta)
+    with pytest.raises(ValueError, match=r"fp8_quant_bwd_grad: QParams\.stochastic_rounding=True "
+                                         r"is not implemented"):
+        lin.set_extra_state(_te_written_payload(tmp_path, "stochastic"))
+    assert lin.fp8_meta == before

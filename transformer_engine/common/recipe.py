@@ -53,6 +53,24 @@ class Format(enum.Enum):
     E5M2 = _FormatSpec(57344.0, 57344.0, torch.float8_e5m2, torch.float8_e5m2)
     HYBRID = _FormatSpec(448.0, 57344.0, torch.float8_e4m3fn, torch.float8_e5m2)
 
+    @classmethod
+    def _missing_(cls, value):
+        # NVIDIA's TE pickles a Format by its value, a (max_fwd, max_bwd) pair
+        # (`_FormatHelper`): the member with those maxima
+        if isinstance(value, tuple) and len(value) == 2:
+            for member in cls:
+                if (member.value.max_fwd, member.value.max_bwd) == tuple(value):
+                    return member
+        return None
+
+
+class _FormatHelper(NamedTuple):
+    """The value NVIDIA's TE gives a `Format` member, and pickles it by: its maxima.
+    Defined under TE's name so that recipes TE pickled (in FP8 extra state) load."""
+
+    max_fwd: float
+    max_bwd: float
+
 
 _AMAX_ALGOS = ("max", "most_recent")
 

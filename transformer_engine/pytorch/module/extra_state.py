@@ -42,7 +42,6 @@ NOTE [FP8 extra state payload]
 from __future__ import annotations
 
 import collections
-import dataclasses
 import io
 import pickle
 from typing import NamedTuple, Optional
@@ -51,31 +50,17 @@ import torch
 
 from ...common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling, Float8BlockScaling,
                                Float8CurrentScaling, Format, MMParams, QParams, Recipe)
-from ...common.recipe import GEMM_FIELDS, QUANT_FIELDS
+from ...common.recipe import _FormatHelper
 from ..scaling import ScalingState
+from .payload_recipe import (InvalidPayload, check_recipe, describe,
+                             recipe_fields, recipe_to_dict)
 
 __all__ = ["Layout", "LoadedFP8State", "save_fp8_state", "load_fp8_state"]
 
 _TOP_KEYS = frozenset(("recipe", "scaling_fwd", "scaling_bwd"))
 _STATE_KEYS = frozenset(("scale", "scale_inv", "amax_history"))
-_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha")
-_BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
-_RECIPE_FIELDS = {
-    "DelayedScaling": frozenset(("type", "margin", "fp8_format", "amax_history_len",
-                                 "amax_compute_algo", "reduce_amax")),
-    "Float8CurrentScaling": frozenset(("type",) + _STATELESS_FIELDS),
-    "Float8BlockScaling": frozenset(("type",) + _STATELESS_FIELDS + _BLOCK_DIM_FIELDS),
-}
-_RECIPE_CLASSES = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling,
-                   "Float8BlockScaling": Float8BlockScaling}
-_PARAMS_CLASSES = dict.fromkeys(QUANT_FIELDS, QParams) | dict.fromkeys(GEMM_FIELDS, MMParams)
-_STR_AMAX_ALGOS = ("max", "most_recent")
 _FP32_TINY = torch.finfo(torch.float32).tiny
 _ZIP_MAGIC = b"PK\x03\x04"      # torch.save writes a zip archive
-
-
-class InvalidPayload(ValueError):
-    """Why a payload was refused (the caller adds which module refused it)."""
 
 
 class LoadedFP8State(NamedTuple):
@@ -84,41 +69,6 @@ class LoadedFP8State(NamedTuple):
     recipe: Optional[Recipe]
     scaling_fwd: Optional[ScalingState]
     scaling_bwd: Optional[ScalingState]
-
-
-# ---- saving ---------------------------------------------------------------------
-
-def _recipe_to_dict(recipe: Optional[Recipe]):
-    """A recipe as plain data; None for a recipe with a callable algorithm."""
-    if recipe is None:
-        return None
-    if isinstance(recipe, DelayedScaling) and (callable(recipe.amax_compute_algo)
-                                               or recipe.scaling_factor_compute_algo is not None):
-        return None
-    if not isinstance(recipe, tuple(_RECIPE_CLASSES.values())):
-        raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
-    return _recipe_fields(recipe)
-
-
-def _recipe_fields(recipe) -> dict:
-    """A recipe's fields as `_check_recipe` takes them. For an unpickled recipe (built
-    without its constructor) every field is checked again there; a callable cannot
-    come from a payload."""
-    # by isinstance: clients subclass the recipes (Megatron's TEDelayedScaling)
-    kind = next(name for name, cls in _RECIPE_CLASSES.items() if isinstance(recipe, cls))
-    fields = {"type": kind}
-    try:
-        if kind == "DelayedScaling" and recipe.scaling_factor_compute_algo is not None:
-            raise InvalidPayload("recipe: scaling_factor_compute_algo must be None (a "
-                                 "callable cannot come from a payload)")
-        for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
-            value = getattr(recipe, name)
-            if name in _PARAMS_CLASSES and dataclasses.is_dataclass(value):
-                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-            fields[name] = value.name if isinstance(value, Format) else value
-    except AttributeError as err:
-        raise InvalidPayload(f"recipe: a {kind} without a field ({err})") from None
-    return fields
 
 
 class Layout(NamedTuple):
@@ -154,8 +104,8 @@ def save_fp8_state(fp8_meta: dict, layout: Layout) -> torch.Tensor:
     if fp8_meta["recipe"] is None and fp8_meta["scaling_fwd"] is None \
             and fp8_meta["scaling_bwd"] is None:
         return torch.zeros(0, dtype=torch.uint8)
-    fields = _recipe_to_dict(fp8_meta["recipe"])
-    state = {"recipe": None if fields is None else _check_recipe(fields),
+    fields = recipe_to_dict(fp8_meta["recipe"])
+    state = {"recipe": None if fields is None else check_recipe(fields),
              "extra_fp8_variables": {"num_gemms": layout.num_gemms}}
     for forward, direction in ((True, "fwd"), (False, "bwd")):
         s = fp8_meta["scaling_" + direction]
@@ -197,7 +147,7 @@ def load_fp8_state(payload, api: str, layout: Layout) -> Optional[LoadedFP8State
         raw = payload.detach().cpu().numpy().tobytes()
         if raw.startswith(_ZIP_MAGIC):
             data = _read_archive(raw)
-            recipe = _check_recipe(data["recipe"])
+            recipe = check_recipe(data["recipe"])
             fwd = _check_state(data["scaling_fwd"], "scaling_fwd",
                                layout.num_gemms * layout.fwd_per_gemm)
             bwd = _check_state(data["scaling_bwd"], "scaling_bwd",
@@ -241,8 +191,12 @@ _ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor
 _ALLOWED.update({("transformer_engine.common.recipe", cls.__name__): cls
                  for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format,
                              type(Format.E4M3.value))})
-_ALLOWED.update({("transformer_engine.common.recipe_fields", cls.__name__): cls
-                 for cls in (QParams, MMParams)})
+# NVIDIA's TE defines QParams and MMParams in recipe, and pickles a Format by its
+# _FormatHelper value (NOTE [Recipes NVIDIA's TE pickled] in payload_recipe.py)
+_ALLOWED.update({(module, cls.__name__): cls for cls in (QParams, MMParams)
+                 for module in ("transformer_engine.common.recipe_fields",
+                                "transformer_engine.common.recipe")})
+_ALLOWED[("transformer_engine.common.recipe", "_FormatHelper")] = _FormatHelper
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -277,14 +231,14 @@ def _read_te_layout(raw: bytes, layout: Layout):
     extra = data["extra_fp8_variables"]
     if not isinstance(extra, dict) or extra.get("num_gemms", layout.num_gemms) != layout.num_gemms:
         raise InvalidPayload(f"extra_fp8_variables must be a dict whose num_gemms is this "
-                             f"module's {layout.num_gemms}, got {_describe(extra)}")
+                             f"module's {layout.num_gemms}, got {describe(extra)}")
     recipe = data["recipe"]
     if recipe is not None:
         if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
             raise InvalidPayload(f"recipe: expected None or a DelayedScaling, "
                                  f"Float8CurrentScaling or Float8BlockScaling, got "
                                  f"{type(recipe).__name__}")
-        recipe = _check_recipe(_recipe_fields(recipe))
+        recipe = check_recipe(recipe_fields(recipe))
     states = []
     for forward, direction in ((True, "fwd"), (False, "bwd")):
         scale, history = data.get("scale_" + direction), data.get("amax_history_" + direction)
@@ -304,52 +258,6 @@ def _read_te_layout(raw: bytes, layout: Layout):
     return recipe, states[0], states[1]
 
 
-def _check_recipe(data) -> Optional[Recipe]:
-    if data is None:
-        return None
-    if not (isinstance(data, dict) and isinstance(data.get("type"), str)
-            and data["type"] in _RECIPE_FIELDS):
-        raise InvalidPayload(f"recipe: expected None or a dict with 'type' one of "
-                             f"{sorted(_RECIPE_FIELDS)}, got {_describe(data)}")
-    kind = data["type"]
-    allowed = _RECIPE_FIELDS[kind]
-    # a stateless recipe's missing fields take their defaults (older payloads)
-    required = allowed if kind == "DelayedScaling" else {"type", "fp8_format"}
-    if not required <= set(data) <= allowed:
-        raise InvalidPayload(f"recipe: a {kind} has the fields {sorted(allowed)}, "
-                             f"got {sorted(map(str, data))}")
-    fields = {k: v for k, v in data.items() if k != "type"}
-    for name, cls in _PARAMS_CLASSES.items():
-        if name in fields:
-            fields[name] = _check_params(name, cls, fields[name])
-    fmt = fields["fp8_format"]
-    if not (isinstance(fmt, str) and fmt in Format.__members__):
-        raise InvalidPayload(f"recipe: fp8_format must be one of {list(Format.__members__)}, "
-                             f"got {_describe(fmt)}")
-    fields["fp8_format"] = Format[fmt]
-    # Only the named algorithms are data; a callable cannot come from a payload.
-    algo = fields.get("amax_compute_algo", "max")
-    if not (isinstance(algo, str) and algo in _STR_AMAX_ALGOS):
-        raise InvalidPayload(f"recipe: amax_compute_algo must be one of {_STR_AMAX_ALGOS}, "
-                             f"got {_describe(algo)}")
-    try:
-        return _RECIPE_CLASSES[kind](**fields)
-    except (TypeError, ValueError) as err:
-        raise InvalidPayload(f"recipe: {err}") from None
-
-
-def _check_params(name: str, cls, data):
-    """A `QParams` / `MMParams` field from its dict (its own checks run on construction)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    if not isinstance(data, dict) or set(data) != names:
-        raise InvalidPayload(f"recipe: {name} must be a dict with keys {sorted(names)}, got "
-                             f"{_describe(data)}")
-    try:
-        return cls(**data)
-    except (TypeError, ValueError) as err:
-        raise InvalidPayload(f"recipe: {name}: {err}") from None
-
-
 def _check_state(data, key: str, n: int, saved_inverse: bool = True) -> Optional[ScalingState]:
     """A scaling state of ``n`` tensors, copied out of the payload. ``saved_inverse``:
     the payload holds ``scale_inv`` (the earlier layout), checked to be ``1 / scale``;
@@ -358,7 +266,7 @@ def _check_state(data, key: str, n: int, saved_inverse: bool = True) -> Optional
         return None
     keys = _STATE_KEYS if saved_inverse else _STATE_KEYS - {"scale_inv"}
     if not isinstance(data, dict) or set(data) != keys:
-        got = sorted(map(str, data)) if isinstance(data, dict) else _describe(data)
+        got = sorted(map(str, data)) if isinstance(data, dict) else describe(data)
         raise InvalidPayload(f"{key}: expected a dict with keys {sorted(keys)}, got {got}")
     tensors = {}
     for name in ("scale", "scale_inv", "amax_history"):
@@ -366,7 +274,7 @@ def _check_state(data, key: str, n: int, saved_inverse: bool = True) -> Optional
             continue
         t = data[name]
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.layout != torch.strided:
-            got = f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else _describe(t)
+            got = f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else describe(t)
             raise InvalidPayload(f"{key}.{name}: expected a float32 tensor, got {got}")
         tensors[name] = t.detach().clone().contiguous()
     scale, history = tensors["scale"], tensors["amax_history"]
@@ -419,9 +327,4 @@ def _check_lengths(recipe: Optional[Recipe], fwd: Optional[ScalingState],
 
 
 def _describe_tensor(t) -> str:
-    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if torch.is_tensor(t) else _describe(t)
-
-
-def _describe(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if torch.is_tensor(t) else describe(t)
