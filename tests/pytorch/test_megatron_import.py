@@ -126,7 +126,8 @@ def test_te_spec_transformer_layer_runs_on_cpu(single_process_gloo):
     assert torch.equal(out2[0], out.detach()[0]) and not torch.equal(out2[1], out.detach()[1])
 
 
-def _megatron_gpt_run(recompute: bool, steps: int = 3, micro_batches: int = 1):
+def _megatron_gpt_run(recompute: bool, steps: int = 3, micro_batches: int = 1,
+                      fp8_param: bool = False):
     """A 2-layer Megatron GPT from the TE layer spec, FP8 delayed scaling through
     Megatron's own FP8 context, trained ``steps`` SGD steps of ``micro_batches``
     micro-batches each (gradients accumulated; ``set_is_first_microbatch()`` before the
@@ -134,7 +135,9 @@ def _megatron_gpt_run(recompute: bool, steps: int = 3, micro_batches: int = 1):
     weights cast in the first); with ``recompute``, full activation recompute
     (Megatron routes it through te.distributed.checkpoint). Returns per-step losses
     (of the last micro-batch) and gradients, the TE modules' FP8 states, and how often
-    the layers' forward ran."""
+    the layers' forward ran. ``fp8_param``: Megatron builds the layers under
+    ``fp8_model_init`` (FP8 primary weights); the weights' FP8 bits after the last step
+    are recorded too."""
     from megatron.core import fp8_utils
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -147,7 +150,8 @@ def _megatron_gpt_run(recompute: bool, steps: int = 3, micro_batches: int = 1):
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                                use_cpu_initialization=True, params_dtype=torch.float32,
                                hidden_dropout=0.0, attention_dropout=0.0, fp8="hybrid",
-                               fp8_recipe="delayed", fp8_amax_history_len=4, **extra)
+                               fp8_recipe="delayed", fp8_amax_history_len=4,
+                               fp8_param=fp8_param, **extra)
     model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128,
                      max_sequence_length=32)
     calls = [0]
@@ -172,6 +176,9 @@ def _megatron_gpt_run(recompute: bool, steps: int = 3, micro_batches: int = 1):
         record.append(capture(loss, [], params, te_modules))
         opt.step()
         opt.zero_grad()
+    if fp8_param:
+        record.append([p._data.view(torch.uint8).clone() for p in params
+                       if fp8_utils.is_float8tensor(p)])
     return record, calls[0], scales_at_forward, fp8_state_snapshot(te_modules)
 
 
@@ -210,3 +217,18 @@ def test_megatron_micro_batches_with_the_fp8_weight_cache_under_full_recompute(
     # 4 TE modules a layer, 2 layers: their weights cast once a step, not per micro-batch
     assert ref_casts == len(casts) == 8 * 3, (ref_casts, len(casts))
     assert_runs_equal(ref, got)
+
+
+@needs_megatron
+def test_megatron_fp8_param_trains_under_full_recompute(single_process_gloo):
+    """``fp8_param=True``: Megatron builds the layers under ``fp8_model_init``, so the TE
+    linear weights are FP8 primary weights; training with full recompute equals
+    training without it, the FP8 weight bits after the SGD steps included."""
+    ref, _, _, _ = _megatron_gpt_run(recompute=False, fp8_param=True)
+    got, calls, _, _ = _megatron_gpt_run(recompute=True, fp8_param=True)
+    assert calls == 2 * 2 * 3
+    # 4 TE linear modules a layer (QKV, proj, FC1, FC2), 2 layers
+    assert len(ref[-1]) == len(got[-1]) == 8
+    for a, b in zip(ref[-1], got[-1]):
+        assert torch.equal(a, b)
+    assert_runs_equal(ref[:-1], got[:-1])

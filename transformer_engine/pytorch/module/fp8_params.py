@@ -8,12 +8,16 @@ NOTE [FP8 primary weights]
     high precision. The weight is drawn in high precision, as it would be otherwise
     (same RNG draws), and quantized at once: with delayed scaling, by the module's
     scale for it (slot ``2 g + 1`` of ``fp8_meta["scaling_fwd"]`` for GEMM ``g``; 1.0 in
-    a fresh module, as in TE) with its amax folded into the live history row, so the
-    first update sets the scale the next quantization uses; with current scaling, by
-    its own amax and the recipe's ``fp8_quant_fwd_weight`` settings. Every later write
-    into the weight (the optimizer step, ``load_state_dict``, ``copy_``) quantizes the
-    same way, in place (NOTE [Quantized tensor semantics] in
-    tensor/float8_tensor.py), and one bit for bit (``copy_`` from a Float8Tensor).
+    a fresh module, as in TE); with current scaling, by its own amax and the recipe's
+    ``fp8_quant_fwd_weight`` settings. Every later write into the weight (the
+    optimizer step, ``load_state_dict``, ``copy_``) quantizes the same way, in place
+    (NOTE [Quantized tensor semantics] in tensor/float8_tensor.py), and one bit for
+    bit (``copy_`` from a Float8Tensor). With delayed scaling a write also folds the
+    value's amax into the live history row, so the next update sets the scale the
+    following writes use; the initial value does not: clients may construct with an
+    init function that leaves the weight uninitialized and write it afterwards
+    (Megatron's CPU initialization does, through ``weight.data.copy_``), and the amax
+    of memory never used must not set a scale.
 
     An FP8 forward takes the weight's FP8 data and ``scale_inv`` as its operand: no
     cast, no amax, whatever the autocast's per-tensor recipe (its transposed copy for
@@ -52,14 +56,15 @@ class DelayedWeightQuantizer:
         self._module = weakref.ref(module)
         self.index, self.fp8_dtype = index, fp8_dtype
 
-    def quantize(self, x: torch.Tensor) -> Float8Data:
+    def quantize(self, x: torch.Tensor, record_amax: bool = True) -> Float8Data:
         module = self._module()
         if module is None:
             raise RuntimeError("an FP8 primary weight cannot be written after its module is "
                                "gone: its delayed-scaling scale lived in that module")
         state = module.fp8_weight_state()
-        q, _ = quantize.cast_transpose_unchecked(as_matrix(x), state.scale, self.fp8_dtype,
-                                                 self.index, state.amax_history, True, False)
+        q, _ = quantize.cast_transpose_unchecked(
+            as_matrix(x), state.scale, self.fp8_dtype, self.index,
+            state.amax_history if record_amax else None, True, False)
         return Float8Data(q.data.view(x.shape), q.scale_inv)
 
     def __deepcopy__(self, memo):
@@ -76,9 +81,8 @@ class CurrentWeightQuantizer(CurrentScalingQuantizer):
     """Current scaling for a module's weight, its non-finite amaxes counted as the
     forward casts' are (NOTE [Non-finite amaxes] in amax_update.py)."""
 
-    def quantize(self, x: torch.Tensor, non_finite: Optional[torch.Tensor] = None
-                 ) -> Float8Data:
-        return super().quantize(x, non_finite_counter(x.device))
+    def non_finite(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return non_finite_counter(x.device)
 
 
 def weight_quantizer(module, recipe, index: int, fp8_dtype: torch.dtype):
@@ -99,12 +103,13 @@ def quantize_weights(module, recipe, preserve_init_value: bool,
     for name, value, index in weights:
         old = getattr(module, name)
         quantizer = weight_quantizer(module, recipe, index, fp8_dtype)
+        q = quantizer.quantize(value, record_amax=False)
         if isinstance(old, Float8Tensor):
             old._quantizer = quantizer
-            old.quantize_(value)
+            old._data.copy_(q.data)
+            old._scale_inv.copy_(q.scale_inv)
             param = old
         else:
-            q = quantizer.quantize(value)
             param = torch.nn.Parameter(Float8Tensor(q.data, q.scale_inv, value.dtype, quantizer),
                                        requires_grad=old.requires_grad)
             for key, attr in old.__dict__.items():

@@ -58,13 +58,17 @@ class CurrentScalingQuantizer:
         self.fp8_dtype, self.power_2_scale, self.amax_epsilon = (fp8_dtype, power_2_scale,
                                                                  amax_epsilon)
 
-    def quantize(self, x: torch.Tensor, non_finite: Optional[torch.Tensor] = None
-                 ) -> Float8Data:
+    def quantize(self, x: torch.Tensor, record_amax: bool = True) -> Float8Data:
+        """``x`` quantized (``record_amax``: kept for the quantizers that record)."""
         x2d = as_matrix(x)
         scale = quantize.current_scale(quantize.amax(x2d), self.fp8_dtype, self.power_2_scale,
-                                       self.amax_epsilon, non_finite=non_finite)
+                                       self.amax_epsilon, non_finite=self.non_finite(x))
         q, _ = quantize.cast_transpose_unchecked(x2d, scale, self.fp8_dtype, 0, None, True, False)
         return Float8Data(q.data.view(x.shape), q.scale_inv)
+
+    def non_finite(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The counter non-finite amaxes are added to (none here)."""
+        return None
 
 
 def as_matrix(x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +123,8 @@ class _Dequantize(torch.autograd.Function):
 class Float8Tensor(QuantizedTensor):
     """FP8 ``data`` with its ``scale_inv``, standing for ``data * scale_inv`` in the
     nominal ``dtype`` (NOTE [Quantized tensor semantics]). ``quantizer`` (an object
-    with ``quantize(x) -> Float8Data``) says how values written into it are quantized;
-    None means current scaling from their own amax."""
+    with ``quantize(x, record_amax=True) -> Float8Data``) says how values written into
+    it are quantized; None means current scaling from their own amax."""
 
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
                 quantizer=None, requires_grad: bool = False):
