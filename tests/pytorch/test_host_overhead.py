@@ -86,3 +86,22 @@ def test_fp8_linear_op_count_stays_under_its_ceiling(recipe):
 def test_te_linear_outside_autocast_dispatches_what_nn_linear_does():
     """Outside FP8, te.Linear is torch's linear: the same ops, none added."""
     assert _ops_per_step(2) == _ops_per_step(2, nn_linear=True)
+
+
+def test_threads_that_ran_fp8_add_no_work_to_later_steps():
+    """Each thread that ran an FP8 autocast keeps a non-finite-amax counter; the check
+    after an update reads only the updating thread's, so finished threads cost later
+    steps nothing."""
+    import threading
+
+    before = _ops_per_step(1, DelayedScaling())
+
+    def run():
+        with te.autocast(recipe=Float8CurrentScaling()):
+            te.Linear(16, 16, device="cpu")(torch.randn(16, 16))
+
+    for _ in range(6):
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert _ops_per_step(1, DelayedScaling()) == before

@@ -29,9 +29,11 @@ NOTE [Non-finite amaxes]
     scaling counts non-finite amaxes the same way (its cast then uses scale 1). The
     counters are device tensors, so counting needs no host synchronization; the
     warning (once, again after `reset_non_finite_amax_count`) is checked after each
-    update, not on the cast path. On CUDA a counter is copied to the host at every
-    `CUDA_CHECK_EVERY`-th update of its device and thread (the copy, its event and
-    their queries cost host time on every step otherwise), and the warning comes at
+    update, not on the cast path, over the updating thread's own counters (a thread
+    that is gone keeps its count but costs later updates nothing). On CUDA a counter
+    is copied to the host at every `CUDA_CHECK_EVERY`-th update of its device and
+    thread (the copy, its event and their queries cost host time on every step
+    otherwise), and the warning comes at
     the first check after a copy that saw the count has landed.
 """
 
@@ -259,29 +261,43 @@ class _NonFiniteCounters:
     def __init__(self):
         self.counters: Dict[Tuple[torch.device, int], torch.Tensor] = {}
         self.lock = threading.Lock()
+        # the calling thread's own counters by device: the casts' fast path, and all that
+        # the check after this thread's updates reads (threads that are gone leave
+        # their counters, which still count, but no per-update cost)
+        self.mine = threading.local()
         self.warned = False
         # CUDA counters: a pinned host copy and the event that says it has landed, and
         # the updates left before the next look
         self.copies: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, Any]] = {}
         self.skips: Dict[Tuple[torch.device, int], int] = {}
 
+    def _mine(self) -> Dict[torch.device, torch.Tensor]:
+        mine = getattr(self.mine, "by_device", None)
+        if mine is None:
+            mine = self.mine.by_device = {}
+        return mine
+
     def counter(self, device: torch.device) -> torch.Tensor:
-        key = (device, threading.get_ident())
-        found = self.counters.get(key)
+        mine = self._mine()
+        found = mine.get(device)
         if found is None:
             with self.lock:
                 found = self.counters.setdefault(
-                    key, torch.zeros((), dtype=torch.int32, device=device))
+                    (device, threading.get_ident()),
+                    torch.zeros((), dtype=torch.int32, device=device))
+            mine[device] = found
         return found
 
     def warn_once_if_seen(self) -> None:
-        """Called after each update (not per cast): warn once if a counter is non-zero.
-        A CUDA counter is read from a host copy made at the previous call, once its
-        event has completed, so this never waits for the GPU."""
+        """Called after each update (not per cast): warn once if one of the calling
+        thread's counters is non-zero. A CUDA counter is read from a host copy made at
+        the previous call, once its event has completed, so this never waits for the
+        GPU."""
         if self.warned:
             return
-        for key, counter in list(self.counters.items()):
-            if self._seen(key, counter):
+        ident = threading.get_ident()
+        for device, counter in list(self._mine().items()):
+            if self._seen((device, ident), counter):
                 self.warned = True
                 warnings.warn("te.autocast: a NaN or infinite amax was seen (an input, "
                               "weight or gradient held NaN/inf); the affected FP8 scales were "
