@@ -33,8 +33,8 @@ NOTE [Non-finite amaxes]
     that is gone keeps its count but costs later updates nothing). On CUDA a counter
     is copied to the host at every `CUDA_CHECK_EVERY`-th update of its device and
     thread (the copy, its event and their queries cost host time on every step
-    otherwise), and the warning comes at
-    the first check after a copy that saw the count has landed.
+    otherwise), and the warning comes at the first check after a copy that saw the
+    count has landed.
 """
 
 from __future__ import annotations
