@@ -96,6 +96,23 @@ def test_cast_transpose_bitwise(hp, fp8, shape, special, monkeypatch):
 
 
 @cuda_triton
+@pytest.mark.parametrize("shape", SHAPES + [(4096, 64), (64, 4100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_transpose_is_torch_transpose_bit_for_bit(fp8, shape):
+    """The Triton transposition of FP8 data (the dgrad operand of an FP8 primary
+    weight, a cached weight cast without its transpose) moves bits: every byte
+    pattern, NaN, inf and -0 included, lands where torch's transposed copy puts it."""
+    g = torch.Generator(device="cuda").manual_seed(shape[0] * 7919 + shape[1])
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=g)
+    q = quantize.Float8Data(raw.view(fp8), torch.tensor([0.5], device="cuda"))
+    got = quantize.transpose_fp8(q)
+    assert got.scale_inv is q.scale_inv
+    assert torch.equal(_bits(got.data), _bits(q.data).t().contiguous())
+    with kernel_config(fused=False):
+        assert torch.equal(_bits(quantize.transpose_fp8(q).data), _bits(got.data))
+
+
+@cuda_triton
 def test_amax_slot_keeps_larger_prior_and_scale_inv_is_fresh():
     x = torch.randn(64, 48, device="cuda")
     history = torch.tensor([[1e6]], device="cuda")

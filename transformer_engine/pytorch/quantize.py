@@ -57,7 +57,7 @@ __all__ = [
     "upcast_gemm", "scaled_mm_padded", "check_fp8_matrix", "check_gemm_shape",
     "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "amax_from_history", "scale_from_amax",
     "roll_amax_history", "resize_amax_history", "sanitize_live_amax", "check_computed_scale",
-    "delayed_scaling_update", "delayed_scaling_update_", "fused_kernels",
+    "delayed_scaling_update", "delayed_scaling_update_", "fused_kernels", "transpose_fp8",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -70,10 +70,11 @@ _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _kernels_module = None      # triton_kernels once loaded; False when Triton is missing
 
 
-def fused_kernels(x: torch.Tensor):
-    """The Triton kernels module if ``x`` should take the fused path, else None."""
+def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES):
+    """The Triton kernels module if ``x`` (of one of ``dtypes``) should take the fused
+    path, else None."""
     global _kernels_module
-    if not (x.is_cuda and x.dtype in _HP_DTYPES and x.numel() > 0
+    if not (x.is_cuda and x.dtype in dtypes and x.numel() > 0
             and get_kernel_config().fused):
         return None
     if _kernels_module is None:
@@ -83,6 +84,16 @@ def fused_kernels(x: torch.Tensor):
         except ImportError:
             _kernels_module = False
     return _kernels_module or None
+
+
+def transpose_fp8(q: Float8Data) -> Float8Data:
+    """The transposed copy of 2-D FP8 data, row-major, with the same ``scale_inv``
+    (what the dgrad and wgrad GEMMs take, NOTE [GEMM vocabulary]): one Triton pass on
+    CUDA, bit for bit what ``q.t_contiguous()`` gives."""
+    kernels = fused_kernels(q.data, FP8_DTYPES)
+    if kernels is not None and q.data.dim() == 2 and q.data.is_contiguous():
+        return Float8Data(kernels.transpose(q.data), q.scale_inv)
+    return q.t_contiguous()
 
 
 def _fused_scale_ok(scale: torch.Tensor, x: torch.Tensor) -> bool:
@@ -200,7 +211,7 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
     if index != 0 or scale.shape[0] != 1:       # a one-element scale is its own slice
         scale = scale[index:index + 1]
     q = _cast_reference(x, scale, dtype)
-    return (q if data else None), (q.t_contiguous() if transpose else None)
+    return (q if data else None), (transpose_fp8(q) if transpose else None)
 
 
 def current_scale(amax_value: torch.Tensor, dtype: torch.dtype, power_2_scale: bool = False,

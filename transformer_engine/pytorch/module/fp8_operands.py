@@ -105,7 +105,7 @@ def _with_transpose(w, transpose: bool):
     """``(w_fp8, w_fp8^T)`` with the transpose made from the FP8 data if it is missing
     (a cast made without one, e.g. under no_grad): the very same FP8 values."""
     if transpose and w[1] is None:
-        return w[0], w[0].t_contiguous()
+        return w[0], quantize.transpose_fp8(w[0])
     return w
 
 

@@ -146,4 +146,4 @@ def weight_operands(api: str, weight: Float8Tensor, recipe, transpose: bool):
             "and cannot run in a Float8BlockScaling autocast; build the module without "
             "quantized_model_init or use a per-tensor recipe")
     w = weight.fp8_operand()
-    return w, (w.t_contiguous() if transpose else None)
+    return w, (quantize.transpose_fp8(w) if transpose else None)
