@@ -73,6 +73,27 @@ def test_apply_matches_complex_rotation(fmt, interleaved, rot_dim, dtype):
         assert torch.equal(out[..., rot_dim:], t[..., rot_dim:])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("rot_dim", [D, D // 2], ids=["full", "partial"])
+def test_output_is_contiguous_whatever_the_input_strides(rot_dim, fused):
+    """As TE's: a transposed view in, a contiguous output, equal to the contiguous
+    input's."""
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(S, HEADS, B, D, generator=g).transpose(1, 2)       # [s, b, h, d] view
+    freqs = _layout(rope_angles_ref(rot_dim, range(S)), False).float()
+    out = apply_rotary_pos_emb(t, freqs, "sbhd", fused=fused)
+    assert out.is_contiguous()
+    assert torch.equal(out, apply_rotary_pos_emb(t.contiguous(), freqs, "sbhd", fused=fused))
+
+
+def test_lengths_given_as_integer_tensors():
+    """TE's callers pass ``max_seqlen`` as a device integer tensor."""
+    rope = te.RotaryPositionEmbedding(D, device="cpu")
+    assert torch.equal(rope(torch.tensor(S), offset=torch.tensor(3)), rope(S, offset=3))
+    with pytest.raises(ValueError, match="max_seq_len must be a positive int"):
+        rope(torch.tensor(2.5))
+
+
 def test_start_positions():
     g = torch.Generator().manual_seed(2)
     t = torch.randn(S, B, HEADS, D, generator=g)

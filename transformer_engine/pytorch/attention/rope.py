@@ -93,6 +93,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         api = "te.RotaryPositionEmbedding"
+        max_seq_len = _int_from_scalar_tensor(max_seq_len)     # (a host sync, as in TE)
+        offset = _int_from_scalar_tensor(offset)
         check_positive_int(api, "max_seq_len", max_seq_len)
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"{api}: offset must be a non-negative int, got {offset!r}")
@@ -125,6 +127,15 @@ def _cp_positions(seqlen: int, cp_size: int, cp_rank: int, device) -> torch.Tens
                                    device=device)))
 
 
+def _int_from_scalar_tensor(value):
+    """A one-element integer tensor as the int it holds (TE's callers pass
+    ``max_seqlen`` computed on the device); anything else unchanged."""
+    if torch.is_tensor(value) and value.numel() == 1 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        return int(value.item())
+    return value
+
+
 def _rotate(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate the first ``angles.shape[-1]`` channels of ``t`` (angles broadcast to
     ``t``'s leading dimensions), in float32."""
@@ -139,7 +150,7 @@ def _rotate(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.T
         turned = torch.cat((-second, first), dim=-1)
     rotated = (x * cos + turned * sin).to(t.dtype)
     if d2 == t.shape[-1]:
-        return rotated
+        return rotated.contiguous()         # as TE's: contiguous whatever t's strides
     return torch.cat((rotated, t[..., d2:]), dim=-1)
 
 
