@@ -444,3 +444,31 @@ def test_graphed_steps_read_the_updated_fp8_weights(recipe):
         if isinstance(a, Float8Tensor):
             assert torch.equal(_bits(a._data), _bits(b._data))
             assert torch.equal(a._scale_inv, b._scale_inv)
+
+
+def test_views_read_and_write_through_to_the_fp8_data():
+    """A view (t(), a row, a slice, split) reads as that view of the value; a write
+    into it changes that part, and the whole weight is quantized again with the
+    module's scale for it (the rest re-encoded, as after any write)."""
+    recipe = DelayedScaling()
+    with te.quantized_model_init(recipe=recipe):
+        lin = te.Linear(32, 16, device="cpu")
+    w = lin.weight
+    value = w.plain()
+    assert torch.equal(w.t() + 0, value.t()) and torch.equal(w[3] * 1, value[3])
+    top, bottom = torch.split(w, 8)
+    assert torch.equal(bottom + 0, value[8:])
+    scale = lin.fp8_meta["scaling_fwd"].scale[1]
+    with torch.no_grad():
+        w[:, :8] *= 0                         # through a slice
+        bottom.fill_(0.125)                   # through one output of split
+    expected = value.clone()
+    expected[:, :8] *= 0                     # (-0 for the negative entries)
+    expected[8:] = 0.125
+    assert torch.equal(_bits(w._data), _bits(_reference_cast(expected, scale)))
+    with torch.no_grad():                               # views keep reading the weight
+        assert torch.equal(bottom + 0, w.plain()[8:])
+    # and gradients flow through a view, as through any op
+    x = torch.randn(4, 32)
+    F.linear(x, w).sum().backward()
+    assert torch.equal(w.grad, torch.ones(4, 16).t() @ x)

@@ -22,7 +22,12 @@ NOTE [Quantized tensor semantics]
     - ``detach`` (and ``.data``) share ``_data`` and ``_scale_inv``, ``clone`` copies
       them, and ``.to`` another device or floating dtype copies them into a
       Float8Tensor of that device and nominal dtype (so ``module.to(torch.bfloat16)``
-      keeps FP8 weights). ``dequantize()`` gives an ordinary tensor.
+      keeps FP8 weights). ``dequantize()`` gives an ordinary tensor;
+    - any other view (``t()``, ``p[0]``, ``p[:, :8]``, ``view``, ``split``) is a
+      `Float8View`: reads see the value through the view, and a write into it
+      (``p[:, :8] *= 0``, ``p.data[0] = x``) changes that part of the dequantized
+      value, and the whole tensor is quantized again (one scale per tensor: the
+      other elements are re-encoded with the scale in force, as after any write).
 
     An FP8 GEMM takes ``_data`` and ``_scale_inv`` as they are: no cast, no amax.
     ``torch.save`` writes the FP8 bits and ``scale_inv`` (not the quantizer); reading
@@ -40,7 +45,7 @@ import torch
 from .. import quantize
 from ..fp8_shapes import Float8Data
 
-__all__ = ["QuantizedTensor", "Float8Tensor", "CurrentScalingQuantizer",
+__all__ = ["QuantizedTensor", "Float8Tensor", "Float8View", "CurrentScalingQuantizer",
            "rebuild_float8_tensor"]
 
 _aten = torch.ops.aten
@@ -102,8 +107,10 @@ class QuantizedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         special = _SPECIAL_OPS.get(func)
-        if special is not None:
+        if special is not None and isinstance(args[0], Float8Tensor):
             return special(args, kwargs)
+        if func.is_view and args and isinstance(args[0], QuantizedTensor):
+            return Float8View.of(args[0], func, args[1:], kwargs)
         return _call_dequantized(func, args, kwargs)
 
 
@@ -212,6 +219,50 @@ class Float8Tensor(QuantizedTensor):
         return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0], meta[1])
 
 
+class Float8View(QuantizedTensor):
+    """A view (``t()``, ``p[0]``, a slice, ``view``, ``split``) of a Float8Tensor: it
+    reads as that view of the tensor's value, and a write into it goes into the
+    tensor (NOTE [Quantized tensor semantics])."""
+
+    def __new__(cls, base: Float8Tensor, chain: tuple, meta: torch.Tensor):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(),
+            dtype=base.dtype, device=base.device)
+        self._base_fp8, self._chain = base, chain
+        return self
+
+    @staticmethod
+    def of(source: QuantizedTensor, func, args, kwargs):
+        """``func(source, *args, **kwargs)`` as view(s) of ``source``'s base."""
+        base = source._base_fp8 if isinstance(source, Float8View) else source
+        chain = source._chain if isinstance(source, Float8View) else ()
+        meta = _apply((func, args, kwargs, None), _through(chain, torch.empty(
+            base.shape, dtype=base.dtype, device="meta")))
+        if isinstance(meta, (list, tuple)):
+            return type(meta)(Float8View(base, chain + ((func, args, kwargs, i),), m)
+                              for i, m in enumerate(meta))
+        return Float8View(base, chain + ((func, args, kwargs, None),), meta)
+
+    def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        value = _through(self._chain, self._base_fp8.plain())
+        return value if dtype is None else value.to(dtype)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"Float8View(of a Float8Tensor, dtype={self.dtype}, value={self.plain()})"
+
+
+def _apply(step, x):
+    func, args, kwargs, index = step
+    out = func(x, *args, **kwargs)
+    return out if index is None else out[index]
+
+
+def _through(chain, x):
+    for step in chain:
+        x = _apply(step, x)
+    return x
+
+
 def rebuild_float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
                           requires_grad: bool, is_param: bool) -> Float8Tensor:
     """A Float8Tensor (a Parameter when ``is_param``) from what ``torch.save`` wrote."""
@@ -230,10 +281,6 @@ def _map(fn, obj):
     return fn(obj)
 
 
-def _plain(x):
-    return x.plain() if isinstance(x, QuantizedTensor) else x
-
-
 def _written(func, args, kwargs, plain_args, plain_kwargs):
     """``(quantized original, plain stand-in)`` for each quantized tensor ``func`` writes."""
     pairs = []
@@ -246,21 +293,36 @@ def _written(func, args, kwargs, plain_args, plain_kwargs):
             orig, plain = kwargs[arg.name], plain_kwargs[arg.name]
         else:
             continue
-        if isinstance(orig, (list, tuple)):
-            pairs += [(o, p) for o, p in zip(orig, plain) if isinstance(o, QuantizedTensor)]
-        elif isinstance(orig, QuantizedTensor):
-            pairs.append((orig, plain))
+        found = list(zip(orig, plain)) if isinstance(orig, (list, tuple)) else [(orig, plain)]
+        pairs += [(o, p) for o, p in found if isinstance(o, QuantizedTensor)]
     return pairs
 
 
 def _call_dequantized(func, args, kwargs):
-    plain_args, plain_kwargs = _map(_plain, args), _map(_plain, kwargs)
+    # each quantized argument stands in as its dequantized value; a view's stand-in is
+    # that view of its whole base's value, which a write then goes back into
+    wholes = {}
+
+    def stand_in(x):
+        if isinstance(x, Float8View):
+            whole = x._base_fp8.plain()
+            value = _through(x._chain, whole)
+            wholes[id(value)] = (x._base_fp8, whole)
+            return value
+        if isinstance(x, Float8Tensor):
+            value = x.plain()
+            wholes[id(value)] = (x, value)
+            return value
+        return x
+
+    plain_args, plain_kwargs = _map(stand_in, args), _map(stand_in, kwargs)
     out = func(*plain_args, **plain_kwargs)
     written = _written(func, args, kwargs, plain_args, plain_kwargs)
     if not written:
         return out
-    for orig, plain in written:
-        orig.quantize_(plain)
+    for _, plain in written:
+        base, whole = wholes[id(plain)]
+        base.quantize_(whole)
     # an in-place op returns what it wrote: the quantized tensor, not its stand-in
     stand_ins = {id(plain): orig for orig, plain in written}
     return _map(lambda t: stand_ins.get(id(t), t), out)
@@ -277,10 +339,7 @@ def _clone(args, kwargs):
 
 
 def _copy(args, kwargs):
-    dst, src = args[0], args[1]
-    if isinstance(dst, QuantizedTensor):
-        return dst.quantize_(src)
-    return dst.copy_(src.plain(), *args[2:], **kwargs)
+    return args[0].quantize_(args[1])
 
 
 def _to_copy(args, kwargs):
@@ -298,6 +357,7 @@ def _to_copy(args, kwargs):
     return _aten._to_copy.default(t.plain(), **kwargs)
 
 
+# ops on a Float8Tensor itself (as their first argument)
 _SPECIAL_OPS = {
     _aten.detach.default: _detach,
     _aten.alias.default: _detach,
