@@ -41,84 +41,13 @@ import torch
 from ..common.recipe import Recipe
 from .amax_update import observe_registrations
 from .fp8 import FP8GlobalStateManager, _AutocastState, autocast
+from .graph_args import API, UNSET, check_devices, check_group, normalize, resolve
 from .graph_rng import GraphRng
 from .rng import rng_states_restored
 from .scaling import ScalingState
-from .utils import check_process_group, flatten_nested, rebuild_nested
+from .utils import flatten_nested, rebuild_nested
 
 __all__ = ["make_graphed_callables"]
-
-_UNSET = object()
-_API = "te.make_graphed_callables"
-
-
-def _resolve(new_name: str, new, old_name: str, old, default):
-    """A TE argument that has a new and a deprecated spelling."""
-    if old is not _UNSET:
-        warnings.warn(f"{_API}: {old_name} is deprecated; use {new_name}",
-                      DeprecationWarning, stacklevel=3)
-        if new is not _UNSET and new != old:
-            raise ValueError(f"{_API}: {new_name}={new!r} and its deprecated spelling "
-                             f"{old_name}={old!r} disagree; pass only {new_name}")
-        return old
-    return default if new is _UNSET else new
-
-
-def _check_group(group) -> None:
-    """The amax reduction group must be one whose collectives a graph can capture."""
-    dist = torch.distributed
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        group = dist.group.WORLD
-    check_process_group(_API, "amax_reduction_group", group)
-    backend = dist.get_backend(group)
-    if backend != "nccl":
-        raise RuntimeError(f"{_API}: the amax reduction group uses the {backend!r} backend, whose "
-                           "collectives cannot be captured in a CUDA graph; use an NCCL group "
-                           "(or reduce_amax=False in the recipe)")
-
-
-def _normalize(modules, sample_args, sample_kwargs):
-    single = not isinstance(modules, tuple)
-    callables = (modules,) if single else modules
-    args = (sample_args,) if single else sample_args
-    if not isinstance(args, tuple) or len(args) != len(callables):
-        raise ValueError(f"{_API}: sample_args must hold one tuple of tensors per callable "
-                         f"({len(callables)}), got {type(sample_args).__name__}")
-    if sample_kwargs is None:
-        kwargs = tuple({} for _ in callables)
-    else:
-        kwargs = (sample_kwargs,) if single else sample_kwargs
-        if not (isinstance(kwargs, tuple) and len(kwargs) == len(callables)
-                and all(isinstance(k, dict) for k in kwargs)):
-            raise ValueError(f"{_API}: sample_kwargs must hold one dict per callable, "
-                             f"got {type(sample_kwargs).__name__}")
-    for i, (fn, a, k) in enumerate(zip(callables, args, kwargs)):
-        if not callable(fn):
-            raise TypeError(f"{_API}: callable {i} is not callable: {type(fn).__name__}")
-        if not isinstance(a, tuple) or not all(torch.is_tensor(t) for t in a):
-            raise TypeError(f"{_API}: sample_args[{i}] must be a tuple of tensors, got "
-                            f"{[type(t).__name__ for t in a] if isinstance(a, tuple) else a!r}")
-        bad = [name for name, v in k.items() if not torch.is_tensor(v)]
-        if bad:
-            raise TypeError(f"{_API}: sample_kwargs[{i}] values must be tensors; {bad} are not")
-    return single, callables, args, kwargs
-
-
-def _check_devices(callables, args, kwargs) -> None:
-    for i, (fn, a, k) in enumerate(zip(callables, args, kwargs)):
-        for what, t in [(f"sample_args[{i}][{j}]", t) for j, t in enumerate(a)] + \
-                [(f"sample_kwargs[{i}][{n!r}]", t) for n, t in k.items()]:
-            if not t.is_cuda:
-                raise RuntimeError(f"{_API}: {what} is on {t.device}; a CUDA graph can only "
-                                   "take CUDA tensors")
-        if isinstance(fn, torch.nn.Module):
-            for name, p in fn.named_parameters():
-                if not p.is_cuda:
-                    raise RuntimeError(f"{_API}: parameter {name!r} of callable {i} is on "
-                                       f"{p.device}; move the module to CUDA first")
-
 
 class _StateRestorer:
     """Copies of every FP8 state registered during warm-up, put back in place after."""
@@ -207,7 +136,7 @@ class _GraphedCallable:
             out = self.run_forward()
         leaves, self.out_spec = flatten_nested(out)
         if not all(torch.is_tensor(t) for t in leaves):
-            raise TypeError(f"{_API}: a graphed callable must return tensors (in tuples, lists "
+            raise TypeError(f"{API}: a graphed callable must return tensors (in tuples, lists "
                             f"or dicts), got {[type(t).__name__ for t in leaves]}")
         self.static_outputs = tuple(leaves)
 
@@ -260,7 +189,7 @@ class _GraphedCallable:
             with self.setting.outermost():
                 return self.eager(*args, **kwargs)
         if tuple(kwargs) != self.keys or len(args) + len(kwargs) != len(self.static_inputs):
-            raise TypeError(f"{_API}: a graphed callable must be called with the positional "
+            raise TypeError(f"{API}: a graphed callable must be called with the positional "
                             f"and keyword tensor arguments it was captured with "
                             f"({len(self.static_inputs) - len(self.keys)} positional, keywords "
                             f"{list(self.keys)}), got {len(args)} positional and {list(kwargs)}")
@@ -270,7 +199,7 @@ class _GraphedCallable:
                 continue
             if not torch.is_tensor(given) or given.shape != static.shape \
                     or given.dtype != static.dtype or given.device != static.device:
-                raise ValueError(f"{_API}: a graphed callable needs inputs of the captured "
+                raise ValueError(f"{API}: a graphed callable needs inputs of the captured "
                                  f"shape, dtype and device ({tuple(static.shape)}, {static.dtype},"
                                  f" {static.device}), got {_describe(given)}")
         params = self.grad_inputs[len(self.static_inputs):]
@@ -286,11 +215,11 @@ def _describe(t) -> str:
 
 def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
                            allow_unused_input: bool = False, sample_kwargs=None,
-                           fp8_enabled=_UNSET, fp8_calibrating=_UNSET, fp8_recipe=_UNSET,
-                           fp8_group=_UNSET, fp8_weight_caching=_UNSET, _order=None, pool=None,
-                           retain_graph_in_backward: bool = False, *, enabled=_UNSET,
-                           calibrating=_UNSET, recipe=_UNSET, amax_reduction_group=_UNSET,
-                           cache_quantized_params=_UNSET):
+                           fp8_enabled=UNSET, fp8_calibrating=UNSET, fp8_recipe=UNSET,
+                           fp8_group=UNSET, fp8_weight_caching=UNSET, _order=None, pool=None,
+                           retain_graph_in_backward: bool = False, *, enabled=UNSET,
+                           calibrating=UNSET, recipe=UNSET, amax_reduction_group=UNSET,
+                           cache_quantized_params=UNSET):
     """Capture callables' training forward and backward as CUDA graphs, with FP8 state
     updates inside the graphs (NOTE [Graphed FP8 state]) and graph-safe dropout: each
     replay draws fresh masks from torch's default CUDA generator and the states of
@@ -327,39 +256,39 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     keeps its parameters; its ``forward`` replays the graphs in training mode with
     grad enabled, and runs eagerly otherwise.
     """
-    enabled = _resolve("enabled", enabled, "fp8_enabled", fp8_enabled, False)
-    calibrating = _resolve("calibrating", calibrating, "fp8_calibrating", fp8_calibrating, False)
-    recipe = _resolve("recipe", recipe, "fp8_recipe", fp8_recipe, None)
-    group = _resolve("amax_reduction_group", amax_reduction_group, "fp8_group", fp8_group, None)
-    cache = _resolve("cache_quantized_params", cache_quantized_params, "fp8_weight_caching",
+    enabled = resolve("enabled", enabled, "fp8_enabled", fp8_enabled, False)
+    calibrating = resolve("calibrating", calibrating, "fp8_calibrating", fp8_calibrating, False)
+    recipe = resolve("recipe", recipe, "fp8_recipe", fp8_recipe, None)
+    group = resolve("amax_reduction_group", amax_reduction_group, "fp8_group", fp8_group, None)
+    cache = resolve("cache_quantized_params", cache_quantized_params, "fp8_weight_caching",
                      fp8_weight_caching, False)
     for name, value in (("enabled", enabled), ("calibrating", calibrating),
                         ("allow_unused_input", allow_unused_input),
                         ("retain_graph_in_backward", retain_graph_in_backward),
                         ("cache_quantized_params", cache)):
         if not isinstance(value, bool):
-            raise TypeError(f"{_API}: {name} must be a bool, got {value!r}")
+            raise TypeError(f"{API}: {name} must be a bool, got {value!r}")
     if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"{_API}: recipe must be a transformer_engine.common.recipe.Recipe or "
+        raise TypeError(f"{API}: recipe must be a transformer_engine.common.recipe.Recipe or "
                         f"None, got {type(recipe).__name__}")
     if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int) \
             or num_warmup_iters < 0:
-        raise ValueError(f"{_API}: num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+        raise ValueError(f"{API}: num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
     if (enabled or calibrating) and num_warmup_iters < 1:
-        raise ValueError(f"{_API}: num_warmup_iters must be >= 1 with FP8 or calibration (the "
+        raise ValueError(f"{API}: num_warmup_iters must be >= 1 with FP8 or calibration (the "
                          "FP8 state is created by the first eager forward), got 0")
     if cache:
-        raise NotImplementedError(f"{_API}: cache_quantized_params (fp8_weight_caching) is not "
+        raise NotImplementedError(f"{API}: cache_quantized_params (fp8_weight_caching) is not "
                                   "implemented: FP8 weights are cast in every forward")
     if _order is not None:
-        raise NotImplementedError(f"{_API}: _order (interleaved pipeline-parallel capture) is "
+        raise NotImplementedError(f"{API}: _order (interleaved pipeline-parallel capture) is "
                                   "not implemented")
-    single, callables, args, kwargs = _normalize(modules, sample_args, sample_kwargs)
+    single, callables, args, kwargs = normalize(modules, sample_args, sample_kwargs)
     if not torch.cuda.is_available():
-        raise RuntimeError(f"{_API}: CUDA graphs need a CUDA device, and none is available")
-    _check_devices(callables, args, kwargs)
+        raise RuntimeError(f"{API}: CUDA graphs need a CUDA device, and none is available")
+    check_devices(callables, args, kwargs)
     if enabled or calibrating:
-        _check_group(group)
+        check_group(group)
     setting = _FP8Setting(enabled, calibrating, recipe, group)
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()                  # one capture stream for the shared pool
@@ -409,7 +338,7 @@ def _capturing(index: int, what: str, capture: Callable, *args: Any) -> None:
     except (RuntimeError, TypeError) as err:
         _end_failed_capture()
         raise RuntimeError(
-            f"{_API}: capturing the {what} of callable {index} failed: {err}. A CUDA graph "
+            f"{API}: capturing the {what} of callable {index} failed: {err}. A CUDA graph "
             "cannot hold host work that waits for the GPU (.item(), .cpu(), printing a CUDA "
             "tensor, a data-dependent shape), CPU tensors, or collectives of a non-NCCL "
             "group.") from err
