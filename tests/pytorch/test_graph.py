@@ -12,7 +12,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from helpers import RECIPE, assert_runs_equal, cuda_fp8, cuda_inputs, te_modules, train_steps
+from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+from helpers import (RECIPE, assert_runs_equal, capture, cuda_fp8, cuda_inputs, te_modules,
+                     train_steps)
 
 RECIPES = [pytest.param(RECIPE, id="delayed"), pytest.param(Float8CurrentScaling(), id="current")]
 STEPS = 5
@@ -25,7 +27,8 @@ STEPS = 5
     ({"recipe": "delayed"}, TypeError, "recipe must be a transformer_engine.common.recipe"),
     ({"num_warmup_iters": -1}, ValueError, "num_warmup_iters must be an int >= 0"),
     ({"enabled": True, "num_warmup_iters": 0}, ValueError, "must be >= 1 with FP8"),
-    ({"cache_quantized_params": True}, NotImplementedError, "cache_quantized_params"),
+    ({"cache_quantized_params": True}, ValueError,
+     "cache_quantized_params=True caches FP8 weights, so it needs enabled=True"),
     ({"_order": [1, -1]}, NotImplementedError, "interleaved pipeline-parallel"),
 ], ids=["enabled-int", "recipe-str", "warmup-negative", "warmup-zero-fp8", "weight-cache",
         "order"])
@@ -151,6 +154,58 @@ def test_gradient_accumulation_into_grad():
                               recipe=RECIPE)
     got = _train(model, shape, lambda m, x: m(x), steps=3, accumulate=True)
     assert_runs_equal(ref, got)
+
+
+def _micro_batch_run(model, run, recipe, steps=3):
+    """SGD steps of two micro-batches each; between them the weights are scaled in
+    place, which only a cast afresh would see: the second micro-batch must use the FP8
+    weights cast at the first (``is_first_microbatch=False``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    record = []
+    for step in range(steps):
+        for micro in range(2):
+            x = cuda_inputs((32, 64), 10 * step + micro).requires_grad_()
+            y = run(model, x, micro == 0)
+            loss = y.float().pow(2).mean()
+            loss.backward()
+            if micro == 0:
+                with torch.no_grad():
+                    model.fc1_weight.mul_(1.5)
+        record.append(capture(loss, [x], model.parameters(), te_modules(model)))
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
+@cuda_fp8
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cached_fp8_weights_across_micro_batches_equal_eager(recipe):
+    """cache_quantized_params=True: each call's is_first_microbatch reaches the replay,
+    which casts the weights afresh (True) or selects the cached FP8 weights (False),
+    as eager is_first_microbatch does, bit for bit."""
+    model, _ = _build("LayerNormMLP")
+    eager_model, uncached_model = copy.deepcopy(model), copy.deepcopy(model)
+
+    def eager(m, x, first):
+        with te.autocast(recipe=recipe):
+            return m(x, is_first_microbatch=first)
+
+    try:
+        ref = _micro_batch_run(eager_model, eager, recipe)
+        # the run tells caching from casting every micro-batch
+        uncached = _micro_batch_run(uncached_model, lambda m, x, first: eager(m, x, True),
+                                    recipe)
+        assert not torch.equal(uncached[0].loss, ref[0].loss)
+        graphed = te.make_graphed_callables(model, (cuda_inputs((32, 64), 0).requires_grad_(),),
+                                            enabled=True, recipe=recipe,
+                                            cache_quantized_params=True)
+        got = _micro_batch_run(model, lambda m, x, first: m(x, is_first_microbatch=first),
+                               recipe)
+        assert_runs_equal(ref, got)
+        with pytest.raises(TypeError, match="takes is_first_microbatch=True"):
+            graphed(cuda_inputs((32, 64), 0))
+    finally:
+        FP8GlobalStateManager.reset()           # the skip-update tensor stays set otherwise
 
 
 class CheckpointedBlock(torch.nn.Module):

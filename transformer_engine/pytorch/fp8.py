@@ -54,6 +54,26 @@ class _SkipWeightUpdate:
     tensor: Optional[torch.Tensor] = None
 
 
+class _GraphWarmUp(threading.local):
+    active: bool = False
+
+
+_GRAPH_WARM_UP = _GraphWarmUp()
+
+
+@contextlib.contextmanager
+def graph_warm_up():
+    """The warm-up of ``te.make_graphed_callables(cache_quantized_params=True)``: module
+    forwards read the skip-update tensor as they will while captured, so that the
+    warm-up makes the FP8 weight caches the captured forwards select from."""
+    previous = _GRAPH_WARM_UP.active
+    _GRAPH_WARM_UP.active = True
+    try:
+        yield
+    finally:
+        _GRAPH_WARM_UP.active = previous
+
+
 def get_default_fp8_recipe() -> Recipe:
     """The recipe an autocast uses when none is given: ``DelayedScaling()``."""
     return DelayedScaling()
@@ -169,9 +189,11 @@ class FP8GlobalStateManager:
 
     @classmethod
     def fp8_graph_capturing(cls) -> bool:
-        """Whether the current CUDA stream is capturing a graph: module forwards then
+        """Whether the current CUDA stream is capturing a graph, or this thread runs the
+        warm-up of graphs that cache FP8 weights (`graph_warm_up`): module forwards then
         take the FP8 weight choice from the skip-update tensor, when one is set."""
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return _GRAPH_WARM_UP.active or (torch.cuda.is_available()
+                                         and torch.cuda.is_current_stream_capturing())
 
     # ---- autocast --------------------------------------------------------------
     @classmethod

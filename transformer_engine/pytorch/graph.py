@@ -27,7 +27,11 @@ NOTE [Graphed FP8 state]
     default generator or a `CudaRNGStatesTracker`) are drawn graph-safe (NOTE
     [Graph-safe RNG] in graph_rng.py): the forward is captured in segments split at
     each checkpoint call, and every replay draws the masks an eager step from the same
-    generator states draws. The RNG states the warm-up used are put back too.
+    generator states draws. The RNG states the warm-up used are put back too. With
+    ``cache_quantized_params`` the captured forwards select between the cached and a
+    fresh FP8 weight on the device (NOTE [Skip-update flag] in module/fp8_operands.py),
+    by the ``is_first_microbatch`` each call passes; the warm-up runs as the capture
+    will (`graph_warm_up`), so that the caches exist when the capture starts.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 
 from ..common.recipe import Recipe
 from .amax_update import observe_registrations
-from .fp8 import FP8GlobalStateManager, _AutocastState, autocast
+from .fp8 import FP8GlobalStateManager, _AutocastState, autocast, graph_warm_up
 from .graph_args import API, UNSET, check_devices, check_group, normalize, resolve
 from .graph_rng import GraphRng
 from .rng import rng_states_restored
@@ -72,8 +76,10 @@ class _StateRestorer:
 class _FP8Setting:
     """How each forward of a graphed callable runs FP8: as an outermost autocast."""
 
-    def __init__(self, enabled: bool, calibrating: bool, recipe: Optional[Recipe], group):
+    def __init__(self, enabled: bool, calibrating: bool, recipe: Optional[Recipe], group,
+                 weight_caching: bool = False):
         self.enabled, self.calibrating, self.recipe, self.group = enabled, calibrating, recipe, group
+        self.weight_caching = weight_caching
 
     @contextlib.contextmanager
     def outermost(self):
@@ -184,6 +190,13 @@ class _GraphedCallable:
         return Graphed
 
     def __call__(self, *args, **kwargs):
+        if self.setting.weight_caching:
+            first = kwargs.pop("is_first_microbatch", None)
+            if not isinstance(first, bool):
+                raise TypeError(f"{API}: with cache_quantized_params=True a graphed callable "
+                                "takes is_first_microbatch=True (the first micro-batch of a "
+                                f"step: cast the FP8 weights) or False, got {first!r}")
+            FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(not first)
         training = self.fn.training if isinstance(self.fn, torch.nn.Module) else True
         if not (training and torch.is_grad_enabled()):
             with self.setting.outermost():
@@ -243,8 +256,13 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         every forward of the graphed callables (FP8 off by default). The older
         ``fp8_enabled``, ``fp8_calibrating``, ``fp8_recipe``, ``fp8_group`` still work,
         with a ``DeprecationWarning``.
-    cache_quantized_params (``fp8_weight_caching``) : bool
-        Not implemented: True raises ``NotImplementedError``.
+    cache_quantized_params (``fp8_weight_caching``) : bool, default False
+        Cache FP8 weights across micro-batches, as ``is_first_microbatch`` does
+        eagerly: each call of a graphed callable then takes ``is_first_microbatch=True``
+        (cast the weights afresh; the first micro-batch of a step) or ``False`` (use
+        the FP8 weights cast then), passed to the replay through the skip-update
+        tensor (NOTE [Skip-update flag] in module/fp8_operands.py). Needs
+        ``enabled=True``. The warm-up makes the caches.
     pool : optional
         A memory pool handle (``torch.cuda.graph_pool_handle()``) to capture into.
     retain_graph_in_backward : bool, default False
@@ -277,9 +295,9 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     if (enabled or calibrating) and num_warmup_iters < 1:
         raise ValueError(f"{API}: num_warmup_iters must be >= 1 with FP8 or calibration (the "
                          "FP8 state is created by the first eager forward), got 0")
-    if cache:
-        raise NotImplementedError(f"{API}: cache_quantized_params (fp8_weight_caching) is not "
-                                  "implemented: FP8 weights are cast in every forward")
+    if cache and not enabled:
+        raise ValueError(f"{API}: cache_quantized_params=True caches FP8 weights, so it needs "
+                         "enabled=True")
     if _order is not None:
         raise NotImplementedError(f"{API}: _order (interleaved pipeline-parallel capture) is "
                                   "not implemented")
@@ -289,7 +307,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     check_devices(callables, args, kwargs)
     if enabled or calibrating:
         check_group(group)
-    setting = _FP8Setting(enabled, calibrating, recipe, group)
+    setting = _FP8Setting(enabled, calibrating, recipe, group, cache)
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()                  # one capture stream for the shared pool
     graphed = [_GraphedCallable(fn, a, k, setting, GraphRng(pool, stream))
@@ -316,11 +334,15 @@ def _warm_up(graphed: List[_GraphedCallable], iters: int, allow_unused: bool) ->
     """Eager iterations on a side stream (allocations, autotuning, FP8 state creation),
     then every FP8 state they changed, and the RNG states they drew from, put back."""
     restorer = _StateRestorer()
+    caching = any(g.setting.weight_caching for g in graphed)
+    if caching:         # the warm-up casts afresh and makes the caches the graphs select from
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(False)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(stream), observe_registrations(restorer.observe), \
-                rng_states_restored(torch.device("cuda", torch.cuda.current_device())):
+                rng_states_restored(torch.device("cuda", torch.cuda.current_device())), \
+                (graph_warm_up() if caching else contextlib.nullcontext()):
             for _ in range(iters):
                 for g in graphed:
                     leaves, _ = flatten_nested(g.run_forward())
