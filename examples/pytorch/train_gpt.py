@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep every activation instead of recomputing the layers")
     p.add_argument("--use-reentrant", action="store_true", help="reentrant checkpointing")
     p.add_argument("--bf16", action="store_true", help="run what is not FP8 in BF16, not FP32")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="keep the FP8 layers' GEMM weights in FP8 only (te.quantized_model_init)")
     p.add_argument("--no-amax-reduce", action="store_true",
                    help="under torchrun, let each rank keep its own FP8 amaxes")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -75,6 +77,12 @@ def check_args(args) -> None:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if args.cuda_graphs and world > 1:
         raise ValueError("--cuda-graphs runs in one process; under torchrun leave it out")
+    if getattr(args, "fp8_weights", False) and not args.fp8:
+        raise ValueError("--fp8-weights keeps the FP8 layers' weights in FP8; with --no-fp8 "
+                         "there are none")
+    if getattr(args, "fp8_weights", False) and world > 1:
+        raise ValueError("--fp8-weights runs in one process (DistributedDataParallel is not "
+                         "tested with FP8 weights); under torchrun leave it out")
     if args.cuda_graphs and args.checkpoint and args.use_reentrant:
         raise ValueError("--cuda-graphs needs the non-reentrant checkpoint (its recompute is "
                          "captured in the backward graph); leave out --use-reentrant")
@@ -82,8 +90,10 @@ def check_args(args) -> None:
 
 def describe(args) -> str:
     precision = ("FP8 + " if args.fp8 else "") + ("BF16" if args.bf16 else "FP32")
+    weights = ", FP8 weights" if getattr(args, "fp8_weights", False) else ""
     graphs = ", CUDA graphs" if getattr(args, "cuda_graphs", False) else ""
-    return f"{precision}, {'checkpointed' if args.checkpoint else 'no checkpointing'}{graphs}"
+    return (f"{precision}{weights}, "
+            f"{'checkpointed' if args.checkpoint else 'no checkpointing'}{graphs}")
 
 
 # ---- data -------------------------------------------------------------------------
@@ -121,18 +131,22 @@ class GPT(torch.nn.Module):
         self.pos_emb = torch.nn.Embedding(args.seq_len, h, device=device)
         torch.nn.init.normal_(self.tok_emb.weight, std=0.02)
         torch.nn.init.normal_(self.pos_emb.weight, std=0.02)
-        # No attention dropout: it sends torch's CPU attention down a much slower path.
-        self.layers = torch.nn.ModuleList(
-            te.TransformerLayer(h, 4 * h, args.heads, hidden_dropout=args.dropout,
-                                attention_dropout=0.0, self_attn_mask_type="causal",
-                                layer_number=i + 1, device=device)
-            for i in range(args.layers))
-        self.ln_f = te.LayerNorm(h, device=device)
-        self.head = te.Linear(h, VOCAB, bias=False, device=device)
         # FP8 in all layers but the first and the last.
         self.layer_fp8 = [args.fp8 and 0 < i < args.layers - 1 for i in range(args.layers)]
         self.recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16,
                                      amax_compute_algo="max", reduce_amax=not args.no_amax_reduce)
+        fp8_weights = getattr(args, "fp8_weights", False)
+        layers = []
+        for i in range(args.layers):
+            # No attention dropout: it sends torch's CPU attention down a much slower path.
+            with te.quantized_model_init(enabled=fp8_weights and self.layer_fp8[i],
+                                         recipe=self.recipe):
+                layers.append(te.TransformerLayer(
+                    h, 4 * h, args.heads, hidden_dropout=args.dropout, attention_dropout=0.0,
+                    self_attn_mask_type="causal", layer_number=i + 1, device=device))
+        self.layers = torch.nn.ModuleList(layers)
+        self.ln_f = te.LayerNorm(h, device=device)
+        self.head = te.Linear(h, VOCAB, bias=False, device=device)
         # The amaxes are reduced over the data-parallel group: here, all ranks.
         self.amax_group = dist.group.WORLD if dist.is_initialized() else None
         self.checkpoint, self.use_reentrant = args.checkpoint, args.use_reentrant

@@ -99,6 +99,26 @@ def test_fp8_with_and_without_checkpointing_are_bit_identical(layer_forwards, mo
     assert ckpt["saved_activations_mb"] < plain["saved_activations_mb"] / 3
 
 
+def test_fp8_weights_train_and_checkpointing_stays_bit_identical():
+    """--fp8-weights: the FP8 layers' GEMM weights are FP8 primary weights (AdamW
+    writes them by quantizing); the loss falls, and checkpointing changes nothing."""
+    from transformer_engine.pytorch.tensor import Float8Tensor
+    args = tiny_args("--fp8-weights", "--layers", "4", "--steps", "12")
+    models = []
+    ckpt = cr.run(args, after_step=lambda step, model, loss: models.append(model),
+                  **cr.RUNS["fp8-ckpt"])
+    plain = cr.run(args, **cr.RUNS["fp8"])
+    assert ckpt["label"] == "FP8 + FP32, FP8 weights, checkpointed"
+    assert cr.bit_identical(ckpt, plain)
+    losses = ckpt["train_loss"]
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+    # Q, K, V, projection, FC1, FC2 of the middle layers only
+    assert [sum(isinstance(p, Float8Tensor) for p in layer.parameters())
+            for layer in models[-1].layers] == [0, 6, 6, 0]
+    with pytest.raises(ValueError, match="--fp8-weights keeps the FP8 layers' weights in FP8"):
+        tg.train(tiny_args("--fp8-weights", "--no-fp8"))
+
+
 def test_cuda_graphs_on_the_cpu_fail_with_a_clear_message(capsys):
     with pytest.raises(SystemExit) as stop:
         tg.main([*TINY, "--cuda-graphs"])
