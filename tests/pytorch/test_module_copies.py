@@ -69,3 +69,37 @@ def test_copy_at_any_point(name, point, how):
     for u, v in zip(originals, copies):         # the copy's state is its own
         for key in ("scaling_fwd", "scaling_bwd"):
             assert u.fp8_meta[key] is None or u.fp8_meta[key] is not v.fp8_meta[key], key
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP", "TransformerLayer"])
+def test_copies_of_fp8_weight_modules_keep_fp8_weights_of_their_own(name, how):
+    """A module with FP8 primary weights copies with its weights still FP8 (bits and
+    scale_inv equal), and a write into the copy's weight quantizes with the copy's
+    own scaling state, leaving the original's untouched."""
+    from transformer_engine.pytorch.tensor import Float8Tensor
+    build, shape = MODULES[name]
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=RECIPE):
+        m = build()
+    x = torch.randn(*shape)
+    with te.autocast(recipe=RECIPE):
+        out = m(x.requires_grad_())
+    (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+    clone = COPIES[how](m)
+    x = x.detach()
+    assert torch.equal(_forward(clone, x), _forward(m, x))
+    pairs = [(p, q) for p, q in zip(m.parameters(), clone.parameters())
+             if isinstance(p, Float8Tensor)]
+    assert pairs and all(isinstance(q, Float8Tensor) and isinstance(q, torch.nn.Parameter)
+                         for _, q in pairs)
+    for p, q in pairs:
+        assert torch.equal(p._data.view(torch.uint8), q._data.view(torch.uint8))
+        assert torch.equal(p._scale_inv, q._scale_inv) and q._data is not p._data
+    before = fp8_state_snapshot(te_modules(m))
+    with torch.no_grad():
+        for _, q in pairs:
+            q.mul_(2.0)                     # writes record amaxes in the copy's state only
+    assert_states_equal(before, fp8_state_snapshot(te_modules(m)), "the original")
+    assert any(not torch.equal(a.fwd.amax_history, b.fwd.amax_history)
+               for a, b in zip(before, fp8_state_snapshot(te_modules(clone))))

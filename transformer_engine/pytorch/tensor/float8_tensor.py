@@ -196,14 +196,17 @@ class Float8Tensor(QuantizedTensor):
                 f"dtype={self.dtype}, value={self.plain()})")
 
     def __reduce_ex__(self, protocol):
-        return rebuild_float8_tensor, (self._data, self._scale_inv, self.dtype,
-                                       self.requires_grad, isinstance(self, torch.nn.Parameter))
+        # the bits as uint8: plain pickle of an FP8-dtype tensor fails in torch 2.13
+        return rebuild_float8_tensor, (self._data.view(torch.uint8), self.fp8_dtype,
+                                       self._scale_inv, self.dtype, self.requires_grad,
+                                       isinstance(self, torch.nn.Parameter))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        new = rebuild_float8_tensor(self._data.clone(), self._scale_inv.clone(), self.dtype,
-                                    self.requires_grad, isinstance(self, torch.nn.Parameter))
+        new = rebuild_float8_tensor(self._data.clone(), self.fp8_dtype, self._scale_inv.clone(),
+                                    self.dtype, self.requires_grad,
+                                    isinstance(self, torch.nn.Parameter))
         memo[id(self)] = new
         new._quantizer = copy.deepcopy(self._quantizer, memo)
         for key, value in self.__dict__.items():
@@ -263,10 +266,12 @@ def _through(chain, x):
     return x
 
 
-def rebuild_float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-                          requires_grad: bool, is_param: bool) -> Float8Tensor:
-    """A Float8Tensor (a Parameter when ``is_param``) from what ``torch.save`` wrote."""
-    t = Float8Tensor(data, scale_inv, dtype)
+def rebuild_float8_tensor(data: torch.Tensor, fp8_dtype: torch.dtype, scale_inv: torch.Tensor,
+                          dtype: torch.dtype, requires_grad: bool,
+                          is_param: bool) -> Float8Tensor:
+    """A Float8Tensor (a Parameter when ``is_param``) from what pickling wrote: the FP8
+    bits (viewed as ``fp8_dtype``), ``scale_inv``, the nominal dtype."""
+    t = Float8Tensor(data.view(fp8_dtype), scale_inv, dtype)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     return t.requires_grad_(requires_grad)
