@@ -468,6 +468,10 @@ def test_views_read_and_write_through_to_the_fp8_data():
     assert torch.equal(_bits(w._data), _bits(_reference_cast(expected, scale)))
     with torch.no_grad():                               # views keep reading the weight
         assert torch.equal(bottom + 0, w.plain()[8:])
+    # a view dequantizes and quantizes as the tensor does
+    assert torch.equal(w[2].dequantize(), w.plain()[2])
+    w[2].quantize_(torch.full((32,), 0.25))
+    assert torch.equal(w.plain()[2], torch.full((32,), 0.25))
     # and gradients flow through a view, as through any op
     x = torch.randn(4, 32)
     F.linear(x, w).sum().backward()

@@ -93,14 +93,18 @@ class QuantizedTensor(torch.Tensor):
         raise TypeError("transformer_engine.pytorch.tensor.QuantizedTensor is an abstract base "
                         "class; Float8Tensor is the quantized tensor this package makes")
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The dequantized value (in ``dtype``, the nominal one when None), outside
+        autograd."""
         raise NotImplementedError
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The value as an ordinary tensor (``dtype``: the nominal one when None); a
+        gradient flowing into the result reaches this tensor."""
+        return _Dequantize.apply(self, dtype or self.dtype)
 
     def quantize_(self, src: torch.Tensor) -> "QuantizedTensor":
-        raise NotImplementedError
-
-    def plain(self) -> torch.Tensor:
-        """The dequantized value, outside autograd."""
+        """Write ``src`` (broadcast to this shape) into this tensor, in place."""
         raise NotImplementedError
 
     @classmethod
@@ -118,7 +122,7 @@ class _Dequantize(torch.autograd.Function):
     """``t.dequantize()`` under autograd: the gradient passes to ``t`` unchanged."""
 
     @staticmethod
-    def forward(ctx, t: "Float8Tensor", dtype: torch.dtype):
+    def forward(ctx, t: QuantizedTensor, dtype: torch.dtype):
         ctx.nominal = t.dtype
         return t.plain(dtype)
 
@@ -164,11 +168,6 @@ class Float8Tensor(QuantizedTensor):
     def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         with torch.no_grad():
             return Float8Data(self._data, self._scale_inv).dequantize(dtype or self.dtype)
-
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The value as an ordinary tensor (``dtype``: the nominal one when None); a
-        gradient flowing into the result reaches this tensor."""
-        return _Dequantize.apply(self, dtype or self.dtype)
 
     def quantize_(self, src: torch.Tensor) -> "Float8Tensor":
         """Write ``src`` (broadcast to this shape) into this tensor, in place: the bits
@@ -249,6 +248,12 @@ class Float8View(QuantizedTensor):
     def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         value = _through(self._chain, self._base_fp8.plain())
         return value if dtype is None else value.to(dtype)
+
+    def quantize_(self, src: torch.Tensor) -> "Float8View":
+        """Write ``src`` into this part of the base tensor (which is quantized again)."""
+        with torch.no_grad():
+            self.copy_(src)
+        return self
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"Float8View(of a Float8Tensor, dtype={self.dtype}, value={self.plain()})"
