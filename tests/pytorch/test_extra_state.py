@@ -207,7 +207,7 @@ class QParams:
     fp4_2d_quantization: bool = False
 
 class Recipe:
-    pass
+    """TE's recipe base class."""
 
 @dataclass()
 class DelayedScaling(Recipe):
