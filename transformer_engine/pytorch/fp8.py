@@ -18,6 +18,8 @@ import torch
 from ..common.recipe import DelayedScaling, Recipe, validated_copy
 from . import amax_update, quantize, recompute
 from .amax_update import AutocastSession
+# quantized_model_init / fp8_model_init: TE's fp8 module has them too
+from .model_init import _MODEL_INIT, _ModelInitState, fp8_model_init, quantized_model_init
 from .recompute import RecomputeStash, RecomputeStateError
 from .scaling import ScalingSnapshot, ScalingState
 from .utils import check_process_group
@@ -397,84 +399,6 @@ def check_fp8_block_scaling_support() -> Tuple[bool, str]:
     if torch.cuda.is_available():
         return True, ""
     return is_fp8_available(return_reason=True, device="cpu")
-
-
-@dataclass(frozen=True)
-class _ModelInitState:
-    """One thread's ``te.quantized_model_init`` state (NOTE [FP8 primary weights] in
-    module/fp8_params.py); replaced whole on enter, put back whole on exit."""
-
-    enabled: bool = False
-    recipe: Optional[Recipe] = None          # the read-only copy of the recipe in force
-    preserve_high_precision_init_val: bool = False
-
-
-class _ThreadModelInit(threading.local):
-    state: _ModelInitState = _ModelInitState()
-
-
-_MODEL_INIT = _ThreadModelInit()
-
-
-def model_init_state() -> _ModelInitState:
-    """The calling thread's ``quantized_model_init`` state, read by module constructors."""
-    return _MODEL_INIT.state
-
-
-@contextlib.contextmanager
-def _model_init_entered(state: _ModelInitState):
-    previous = _MODEL_INIT.state
-    _MODEL_INIT.state = state
-    try:
-        yield
-    finally:
-        _MODEL_INIT.state = previous
-
-
-def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
-    if not isinstance(enabled, bool):
-        raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(f"{api}: the recipe must be a transformer_engine.common.recipe.Recipe "
-                        f"or None, got {type(recipe).__name__}")
-    if not isinstance(preserve_high_precision_init_val, bool):
-        raise TypeError(f"{api}: preserve_high_precision_init_val must be a bool, "
-                        f"got {preserve_high_precision_init_val!r}")
-    checked = None
-    if enabled:
-        checked = validated_copy(recipe if recipe is not None else get_default_fp8_recipe())
-        if not (checked.delayed() or checked.float8_current_scaling()):
-            raise NotImplementedError(
-                f"{api}(enabled=True, recipe={type(checked).__name__}): FP8 primary weights are "
-                "implemented for DelayedScaling and Float8CurrentScaling (per-tensor scales) "
-                "only")
-    return _model_init_entered(_ModelInitState(enabled, checked,
-                                               enabled and preserve_high_precision_init_val))
-
-
-def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
-                         preserve_high_precision_init_val: bool = False):
-    """Context in which TE modules are built with FP8 primary weights.
-
-    With ``enabled=True`` the GEMM weights of the TE modules constructed inside are
-    `Float8Tensor` parameters, quantized with ``recipe`` (``DelayedScaling()`` when
-    None; DelayedScaling or Float8CurrentScaling), and no high-precision copy is
-    kept; the biases and norm parameters stay in high precision (NOTE [FP8 primary
-    weights] in module/fp8_params.py). ``preserve_high_precision_init_val=True``
-    keeps each weight's initial value on the CPU, read by the weight's
-    ``get_high_precision_init_val()`` (to seed an optimizer's master weights) and
-    dropped by ``clear_high_precision_init_val()``. ``enabled=False``: modules are
-    built as usual. Arguments are checked when called; the state is per thread and
-    put back on exit.
-    """
-    return _model_init("te.quantized_model_init", enabled, recipe,
-                       preserve_high_precision_init_val)
-
-
-def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
-                   preserve_high_precision_init_val: bool = False):
-    """The older spelling of `quantized_model_init`."""
-    return _model_init("te.fp8_model_init", enabled, recipe, preserve_high_precision_init_val)
 
 
 __all__ += ["check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import recompute
-from .fp8 import FP8GlobalStateManager, _AutocastState, _ModelInitState, model_init_state
+from .fp8 import FP8GlobalStateManager, _AutocastState
+from .model_init import _ModelInitState, model_init_state
 from .kernel_config import KernelConfig, get_kernel_config
 
 __all__ = ["GlobalStateSnapshot", "snapshot", "clean"]

@@ -11,7 +11,8 @@ import torch
 
 from ...common.recipe import DelayedScaling, Recipe
 from .. import distributed, quantize, recompute
-from ..fp8 import FP8GlobalStateManager, model_init_state
+from ..fp8 import FP8GlobalStateManager
+from ..model_init import model_init_state
 from ..scaling import ScalingState
 from ..tensor import Float8Tensor
 from . import extra_state, fp8_params

@@ -1,0 +1,92 @@
+"""``te.quantized_model_init`` / ``te.fp8_model_init``: the per-thread context in which
+TE modules are built with FP8 primary weights (NOTE [FP8 primary weights] in
+module/fp8_params.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from ..common.recipe import DelayedScaling, Recipe, validated_copy
+
+__all__ = ["quantized_model_init", "fp8_model_init", "model_init_state"]
+
+
+@dataclass(frozen=True)
+class _ModelInitState:
+    """One thread's ``te.quantized_model_init`` state (NOTE [FP8 primary weights] in
+    module/fp8_params.py); replaced whole on enter, put back whole on exit."""
+
+    enabled: bool = False
+    recipe: Optional[Recipe] = None          # the read-only copy of the recipe in force
+    preserve_high_precision_init_val: bool = False
+
+
+class _ThreadModelInit(threading.local):
+    state: _ModelInitState = _ModelInitState()
+
+
+_MODEL_INIT = _ThreadModelInit()
+
+
+def model_init_state() -> _ModelInitState:
+    """The calling thread's ``quantized_model_init`` state, read by module constructors."""
+    return _MODEL_INIT.state
+
+
+@contextlib.contextmanager
+def _model_init_entered(state: _ModelInitState):
+    previous = _MODEL_INIT.state
+    _MODEL_INIT.state = state
+    try:
+        yield
+    finally:
+        _MODEL_INIT.state = previous
+
+
+def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"{api}: the recipe must be a transformer_engine.common.recipe.Recipe "
+                        f"or None, got {type(recipe).__name__}")
+    if not isinstance(preserve_high_precision_init_val, bool):
+        raise TypeError(f"{api}: preserve_high_precision_init_val must be a bool, "
+                        f"got {preserve_high_precision_init_val!r}")
+    checked = None
+    if enabled:
+        checked = validated_copy(recipe if recipe is not None else DelayedScaling())
+        if not (checked.delayed() or checked.float8_current_scaling()):
+            raise NotImplementedError(
+                f"{api}(enabled=True, recipe={type(checked).__name__}): FP8 primary weights are "
+                "implemented for DelayedScaling and Float8CurrentScaling (per-tensor scales) "
+                "only")
+    return _model_init_entered(_ModelInitState(enabled, checked,
+                                               enabled and preserve_high_precision_init_val))
+
+
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False):
+    """Context in which TE modules are built with FP8 primary weights.
+
+    With ``enabled=True`` the GEMM weights of the TE modules constructed inside are
+    `Float8Tensor` parameters, quantized with ``recipe`` (``DelayedScaling()`` when
+    None; DelayedScaling or Float8CurrentScaling), and no high-precision copy is
+    kept; the biases and norm parameters stay in high precision (NOTE [FP8 primary
+    weights] in module/fp8_params.py). ``preserve_high_precision_init_val=True``
+    keeps each weight's initial value on the CPU, read by the weight's
+    ``get_high_precision_init_val()`` (to seed an optimizer's master weights) and
+    dropped by ``clear_high_precision_init_val()``. ``enabled=False``: modules are
+    built as usual. Arguments are checked when called; the state is per thread and
+    put back on exit.
+    """
+    return _model_init("te.quantized_model_init", enabled, recipe,
+                       preserve_high_precision_init_val)
+
+
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                   preserve_high_precision_init_val: bool = False):
+    """The older spelling of `quantized_model_init`."""
+    return _model_init("te.fp8_model_init", enabled, recipe, preserve_high_precision_init_val)
