@@ -19,9 +19,12 @@ class _ModelInitState:
     """One thread's ``te.quantized_model_init`` state (NOTE [FP8 primary weights] in
     module/fp8_params.py); replaced whole on enter, put back whole on exit."""
 
-    enabled: bool = False
-    recipe: Optional[Recipe] = None          # the read-only copy of the recipe in force
+    recipe: Optional[Recipe] = None   # the read-only copy of the recipe in force; None: off
     preserve_high_precision_init_val: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.recipe is not None
 
 
 class _ThreadModelInit(threading.local):
@@ -63,7 +66,7 @@ def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
                 f"{api}(enabled=True, recipe={type(checked).__name__}): FP8 primary weights are "
                 "implemented for DelayedScaling and Float8CurrentScaling (per-tensor scales) "
                 "only")
-    return _model_init_entered(_ModelInitState(enabled, checked,
+    return _model_init_entered(_ModelInitState(checked,
                                                enabled and preserve_high_precision_init_val))
 
 

@@ -53,8 +53,8 @@ from .kernel_config import get_kernel_config
 
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
-    "cast_transpose_unchecked", "current_scale", "fp8_gemm", "fp8_gemm_unchecked",
-    "upcast_gemm", "scaled_mm_padded", "check_fp8_matrix", "check_gemm_shape",
+    "cast_transpose_unchecked", "current_scale", "current_scaling_cast", "fp8_gemm",
+    "fp8_gemm_unchecked", "upcast_gemm", "scaled_mm_padded", "check_fp8_matrix", "check_gemm_shape",
     "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "amax_from_history", "scale_from_amax",
     "roll_amax_history", "resize_amax_history", "sanitize_live_amax", "check_computed_scale",
     "delayed_scaling_update", "delayed_scaling_update_", "fused_kernels", "transpose_fp8",
@@ -87,9 +87,8 @@ def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES)
 
 
 def transpose_fp8(q: Float8Data) -> Float8Data:
-    """The transposed copy of 2-D FP8 data, row-major, with the same ``scale_inv``
-    (what the dgrad and wgrad GEMMs take, NOTE [GEMM vocabulary]): one Triton pass on
-    CUDA, bit for bit what ``q.t_contiguous()`` gives."""
+    """``q.t_contiguous()`` of 2-D FP8 data, bit for bit (the dgrad and wgrad operands,
+    NOTE [GEMM vocabulary]), in one Triton pass on CUDA."""
     kernels = fused_kernels(q.data, FP8_DTYPES)
     if kernels is not None and q.data.dim() == 2 and q.data.is_contiguous():
         return Float8Data(kernels.transpose(q.data), q.scale_inv)
@@ -212,6 +211,15 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
         scale = scale[index:index + 1]
     q = _cast_reference(x, scale, dtype)
     return (q if data else None), (transpose_fp8(q) if transpose else None)
+
+
+def current_scaling_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool,
+                         amax_epsilon: float, non_finite: Optional[torch.Tensor],
+                         data: bool = True, transpose: bool = False):
+    """`cast_transpose_unchecked` of a 2-D ``x`` with current scaling (`current_scale`
+    of its own amax); non-finite amaxes add to ``non_finite``."""
+    scale = current_scale(amax(x), dtype, power_2_scale, amax_epsilon, non_finite=non_finite)
+    return cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
 
 
 def current_scale(amax_value: torch.Tensor, dtype: torch.dtype, power_2_scale: bool = False,

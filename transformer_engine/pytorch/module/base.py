@@ -105,11 +105,16 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
                          "num_gemms": num_gemms, "fp8_checkpoint": False}
         init = model_init_state()
-        self.primary_weights_in_fp8 = init.enabled
-        self.preserve_high_precision_init_val = init.preserve_high_precision_init_val
+        # the model-init recipe (None: high-precision weights)
         self.fp8_weight_recipe = init.recipe
+        self.preserve_high_precision_init_val = init.preserve_high_precision_init_val
 
     # ---- FP8 primary weights (NOTE [FP8 primary weights]) ---------------------------
+    @property
+    def primary_weights_in_fp8(self) -> bool:
+        """TE's attribute: the GEMM weights are FP8 primary weights."""
+        return self.fp8_weight_recipe is not None
+
     def _builds_fp8_weights(self) -> bool:
         return self.primary_weights_in_fp8
 
@@ -132,7 +137,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def __setstate__(self, state) -> None:
         # pickling leaves a Float8Tensor's quantizer behind: bind this module's again
         super().__setstate__(state)
-        if self.__dict__.get("primary_weights_in_fp8"):
+        if self.__dict__.get("fp8_weight_recipe") is not None:
             for name, init in self._init_table().items():
                 param = self._parameters.get(name)
                 if isinstance(param, Float8Tensor) and init.fp8_weight_index is not None:

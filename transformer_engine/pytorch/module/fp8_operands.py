@@ -64,9 +64,8 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
     if plan.recipe.float8_block_scaling():
         return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
     q = getattr(plan.recipe, "fp8_quant_" + role)
-    scale = quantize.current_scale(quantize.amax(x), dtype, q.power_2_scale, q.amax_epsilon,
-                                   non_finite=non_finite_counter(x.device))
-    return quantize.cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
+    return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
+                                         non_finite_counter(x.device), data, transpose)
 
 
 def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, index: int,

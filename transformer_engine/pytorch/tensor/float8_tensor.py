@@ -65,10 +65,8 @@ class CurrentScalingQuantizer:
 
     def quantize(self, x: torch.Tensor, record_amax: bool = True) -> Float8Data:
         """``x`` quantized (``record_amax``: kept for the quantizers that record)."""
-        x2d = as_matrix(x)
-        scale = quantize.current_scale(quantize.amax(x2d), self.fp8_dtype, self.power_2_scale,
-                                       self.amax_epsilon, non_finite=self.non_finite(x))
-        q, _ = quantize.cast_transpose_unchecked(x2d, scale, self.fp8_dtype, 0, None, True, False)
+        q, _ = quantize.current_scaling_cast(as_matrix(x), self.fp8_dtype, self.power_2_scale,
+                                             self.amax_epsilon, self.non_finite(x))
         return Float8Data(q.data.view(x.shape), q.scale_inv)
 
     def non_finite(self, x: torch.Tensor) -> Optional[torch.Tensor]:
