@@ -16,7 +16,7 @@ repeats after warm-up (L2 flushed between repeats):
 - ``te_fp8``: ``te.Linear`` (bf16 parameters and activations) inside
   ``te.autocast(recipe=DelayedScaling())``, forward + backward, with the delayed
   scaling updates, in the default configuration (the fused kernels of NOTE [Fused
-  casts], launched as NOTE [Launch overhead] in triton_kernels.py says);
+  casts], launched as NOTE [Launch overhead] in triton_launch.py says);
   ``te_fp8_jit``: the same with every Triton launch through Triton's JIT;
   ``te_fp8_unfused``: the same with the torch reference casts and update;
   ``te_fp8_block`` / ``te_fp8_block_emulated`` (only when named in ``--variants``):

@@ -8,7 +8,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch import delayed_scaling
 from helpers import assert_states_equal, cuda_fp8, fp8_state_snapshot, fp8_training_steps
 
 CPU = "cpu"
@@ -135,7 +135,7 @@ def _rolled(amaxes, length):
     h = torch.zeros(length, 1)
     for a in amaxes:
         h[0, 0] = a
-        h = quantize.roll_amax_history(h)
+        h = delayed_scaling.roll_amax_history(h)
     return h
 
 
@@ -145,7 +145,7 @@ def test_resize_matches_a_history_kept_at_the_new_length(old, new, steps):
     """Resizing a history equals having kept the new length all along, whenever the
     new length holds what it would have held (a shorter one drops the oldest)."""
     amaxes = [float(i + 1) for i in range(steps)]
-    got = quantize.resize_amax_history(_rolled(amaxes, old), new)
+    got = delayed_scaling.resize_amax_history(_rolled(amaxes, old), new)
     assert torch.equal(got, _rolled(amaxes, new))
 
 

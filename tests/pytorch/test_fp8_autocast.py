@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch import delayed_scaling
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -116,8 +116,8 @@ def test_no_update_outside_training():
 
 def test_all_modules_update_in_one_concatenated_pass(monkeypatch):
     calls = []
-    real = quantize.scale_from_amax
-    monkeypatch.setattr(quantize, "scale_from_amax",
+    real = delayed_scaling.scale_from_amax
+    monkeypatch.setattr(delayed_scaling, "scale_from_amax",
                         lambda a, *rest: calls.append(a.numel()) or real(a, *rest))
     mods = [te.Linear(16, 16, device="cpu") for _ in range(3)]
     with te.autocast(recipe=DelayedScaling()):

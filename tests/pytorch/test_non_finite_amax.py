@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
-from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch import delayed_scaling
 from transformer_engine.pytorch.amax_update import CUDA_CHECK_EVERY
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 from helpers import cuda_fp8
@@ -134,14 +134,14 @@ def test_current_scaling_counts_non_finite():
 def test_formulas_keep_the_scale_for_non_finite_live_amaxes():
     history = torch.tensor([[float("nan"), 2.0, float("inf")], [4.0, 1.0, 8.0]])
     scale = torch.tensor([3.0, 5.0, 7.0])
-    new_scale, new_inv, new_hist = quantize.delayed_scaling_update(history, scale, 448.0, 0, "max")
+    new_scale, new_inv, new_hist = delayed_scaling.delayed_scaling_update(history, scale, 448.0, 0, "max")
     assert new_scale[0] == 3.0 and new_scale[2] == 7.0               # kept
     assert new_scale[1] == 448.0 / 2.0
     assert torch.equal(new_inv, torch.reciprocal(new_scale))
     assert torch.equal(new_hist, torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 0.0]]))
     counter = torch.zeros((), dtype=torch.int32)
     hists, scales, invs = [history.clone()], [scale.clone()], [torch.empty(3)]
-    quantize.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max", non_finite=counter)
+    delayed_scaling.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max", non_finite=counter)
     assert counter.item() == 2 and torch.equal(scales[0], new_scale)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch import delayed_scaling, quantize
 from transformer_engine.pytorch.kernel_config import kernel_config
 from helpers import DEVICES, cuda_fp8
 
@@ -116,17 +116,17 @@ def test_fp8_gemm_rejects_bad_operands():
 
 def test_amax_from_history_algorithms():
     h = torch.tensor([[1.0, 5.0], [3.0, 2.0], [2.0, 4.0]])
-    assert torch.equal(quantize.amax_from_history(h, "max"), torch.tensor([3.0, 5.0]))
-    assert torch.equal(quantize.amax_from_history(h, "most_recent"), torch.tensor([1.0, 5.0]))
-    assert torch.equal(quantize.amax_from_history(h, lambda t: t[1:].sum(0)), torch.tensor([5.0, 6.0]))
+    assert torch.equal(delayed_scaling.amax_from_history(h, "max"), torch.tensor([3.0, 5.0]))
+    assert torch.equal(delayed_scaling.amax_from_history(h, "most_recent"), torch.tensor([1.0, 5.0]))
+    assert torch.equal(delayed_scaling.amax_from_history(h, lambda t: t[1:].sum(0)), torch.tensor([5.0, 6.0]))
     with pytest.raises(ValueError, match="must return a tensor of shape"):
-        quantize.amax_from_history(h, lambda t: t.sum())
+        delayed_scaling.amax_from_history(h, lambda t: t.sum())
 
 
 def test_scale_from_amax_formula_and_edge_cases():
     amax = torch.tensor([2.0, 0.0, float("nan"), float("inf"), 1e-44])
     old = torch.tensor([1.0, 7.0, 8.0, 9.0, 1.0])
-    new = quantize.scale_from_amax(amax, old, 448.0, margin=1)
+    new = delayed_scaling.scale_from_amax(amax, old, 448.0, margin=1)
     assert new[0].item() == 448.0 / 2.0 / 2.0
     assert new[1:4].tolist() == [7.0, 8.0, 9.0]          # 0, NaN, inf keep the old scale
     assert new[4].item() == torch.finfo(torch.float32).max  # infinite scale is clamped
@@ -134,6 +134,6 @@ def test_scale_from_amax_formula_and_edge_cases():
 
 def test_roll_amax_history():
     h = torch.tensor([[9.0], [1.0], [2.0]])
-    rolled = quantize.roll_amax_history(h)
+    rolled = delayed_scaling.roll_amax_history(h)
     assert rolled.flatten().tolist() == [0.0, 2.0, 9.0]
     assert h.flatten().tolist() == [9.0, 1.0, 2.0]  # input untouched

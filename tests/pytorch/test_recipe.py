@@ -10,7 +10,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling,
                                               Float8BlockScaling, Float8CurrentScaling, Format,
                                               MXFP8BlockScaling, NVFP4BlockScaling, max_margin)
-from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch import delayed_scaling
 
 
 def test_format_maxima_and_dtypes():
@@ -58,10 +58,10 @@ def test_max_margin_is_the_tight_bound(fmt, bound):
     tiny = torch.finfo(torch.float32).tiny
     spec = fmt.value
     for fp8_max in (spec.max_fwd, spec.max_bwd):
-        scale = quantize.scale_from_amax(amax, torch.ones(1), fp8_max, bound)
+        scale = delayed_scaling.scale_from_amax(amax, torch.ones(1), fp8_max, bound)
         assert scale.item() >= tiny and torch.isfinite(torch.reciprocal(scale)).all()
     tighter = min(spec.max_fwd, spec.max_bwd)
-    assert quantize.scale_from_amax(amax, torch.ones(1), tighter, bound + 1).item() < tiny
+    assert delayed_scaling.scale_from_amax(amax, torch.ones(1), tighter, bound + 1).item() < tiny
     if fmt is not Format.E5M2:
         DelayedScaling(fp8_format=fmt, margin=bound)         # the bound itself is accepted
 

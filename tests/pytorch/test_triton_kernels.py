@@ -15,7 +15,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-from transformer_engine.pytorch import quantize
+from transformer_engine.pytorch import delayed_scaling, quantize
 from transformer_engine.pytorch.kernel_config import (KernelConfig, get_kernel_config,
                                                      kernel_config)
 from helpers import HAS_CUDA_FP8, assert_runs_equal, assert_tensors_equal, capture, params
@@ -57,16 +57,27 @@ def fused_kernels_on():
 
 
 def _spy(monkeypatch):
-    """Count calls of the fused cast kernel, to prove the fused path ran."""
+    """Count the casts of the fused kernels (a pair launch counts its two casts), to
+    prove the fused path ran; ``calls.pairs`` counts the pair launches."""
     from transformer_engine.pytorch import triton_kernels
-    calls = []
-    real = triton_kernels.cast_transpose
+    calls = _Calls()
+    real, real_pair = triton_kernels.cast_transpose, triton_kernels.cast_pair
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
+
+    def counting_pair(*args, **kwargs):
+        calls.extend((1, 1))
+        calls.pairs += 1
+        return real_pair(*args, **kwargs)
     monkeypatch.setattr(triton_kernels, "cast_transpose", counting)
+    monkeypatch.setattr(triton_kernels, "cast_pair", counting_pair)
     return calls
+
+
+class _Calls(list):
+    pairs = 0
 
 
 @cuda_triton
@@ -157,21 +168,21 @@ def test_delayed_scaling_update_in_place_bitwise(algo, length, widths, margin, m
     hists = _histories(length, widths)
     scales = [torch.rand(n, device="cuda") + 0.5 for n in widths]
     scale_invs = [torch.full((n,), -3.0, device="cuda") for n in widths]
-    expect = [quantize.delayed_scaling_update(h, s, max_value, margin, algo)
+    expect = [delayed_scaling.delayed_scaling_update(h, s, max_value, margin, algo)
               for h, s in zip(hists, scales)]
     ids = [id(t) for t in hists + scales + scale_invs]
     counter = torch.zeros((), dtype=torch.int32, device="cuda")
     non_finite = 0
     for _ in range(2):       # the second call reuses the cached table
         non_finite += sum(int((~h[0].isfinite()).sum()) for h in hists)
-        quantize.delayed_scaling_update_(hists, scales, scale_invs, max_value, margin, algo,
+        delayed_scaling.delayed_scaling_update_(hists, scales, scale_invs, max_value, margin, algo,
                                          non_finite=counter)
         assert counter.item() == non_finite       # non-finite live amaxes, counted in-kernel
         for (e_scale, e_inv, e_hist), s, si, h in zip(expect, scales, scale_invs, hists):
             assert torch.equal(s, e_scale) and torch.equal(si, e_inv)
             assert torch.equal(h.nan_to_num(-7.0), e_hist.nan_to_num(-7.0))
             assert s.isfinite().all()
-        expect = [quantize.delayed_scaling_update(e_hist, e_scale, max_value, margin, algo)
+        expect = [delayed_scaling.delayed_scaling_update(e_hist, e_scale, max_value, margin, algo)
                   for e_scale, _, e_hist in expect]
     assert len(calls) == 2
     assert ids == [id(t) for t in hists + scales + scale_invs]      # in place
@@ -186,9 +197,9 @@ def test_delayed_scaling_update_in_place_reference_path_matches():
     invs = [torch.empty_like(s) for s in scales]
     ref = [[t.clone() for t in ts] for ts in (hists, scales, invs)]
     counts = [torch.zeros((), dtype=torch.int32, device="cuda") for _ in range(2)]
-    quantize.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max", non_finite=counts[0])
+    delayed_scaling.delayed_scaling_update_(hists, scales, invs, 448.0, 0, "max", non_finite=counts[0])
     with kernel_config(fused=False):
-        quantize.delayed_scaling_update_(*ref, 448.0, 0, "max", non_finite=counts[1])
+        delayed_scaling.delayed_scaling_update_(*ref, 448.0, 0, "max", non_finite=counts[1])
     for a, b in zip(hists + scales + invs, ref[0] + ref[1] + ref[2]):
         assert torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
     assert counts[0].item() == counts[1].item() == 2       # the two NaN live amaxes
@@ -231,6 +242,49 @@ def test_cast_to_fp8_non_contiguous_and_3d():
         with kernel_config(fused=False):
             r = quantize.cast_to_fp8(t, scale, E4M3)
         assert f.data.shape == t.shape and torch.equal(_bits(f.data), _bits(r.data))
+
+
+@cuda_triton
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "inf"])
+@pytest.mark.parametrize("transposes", [(True, True), (False, True), (True, False),
+                                        (False, False)], ids=["tt", "ft", "tf", "ff"])
+@pytest.mark.parametrize("shapes, dtypes", [
+    (((16, 64), (48, 64)), (torch.bfloat16, torch.bfloat16)),
+    (((100, 37), (333, 37)), (torch.float16, torch.float32)),     # partial tiles, mixed
+    (((1, 1040), (8, 1040)), (torch.float32, torch.bfloat16)),
+    (((256, 512), (64, 512)), (torch.bfloat16, torch.float32))], ids=["bf16", "fp16-fp32",
+                                                                      "rows-1", "bf16-fp32"])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cast_pair_bitwise(fp8, shapes, dtypes, transposes, special, monkeypatch):
+    """One launch casting a GEMM's two forward operands (slots i and i + 1 of one scale
+    vector and history) gives the bits of two reference casts: data, transposes,
+    scale_inv and both amax slots; ``w`` also as a transposed (strided) view."""
+    calls = _spy(monkeypatch)
+    (shape_x, shape_w), (dtype_x, dtype_w) = shapes, dtypes
+    tx, tw = transposes
+    x = _sample(shape_x, dtype_x, special)
+    for w in (_sample(shape_w, dtype_w, special),
+              _sample(shape_w[::-1], dtype_w, special).t()):
+        scale = torch.tensor([0.25, 3.7, 9.0, 0.5], device="cuda")       # slots 1 and 2
+        for history in (True, False):
+            hist_f = torch.full((3, 4), 0.5, device="cuda") if history else None
+            hist_r = hist_f.clone() if history else None
+            (xf, xf_t), (wf, wf_t) = quantize.cast_pair_unchecked(x, w, scale, fp8, 1, hist_f,
+                                                                  tx, tw)
+            with kernel_config(fused=False):
+                xr, xr_t = quantize.cast_transpose_to_fp8(x, scale, fp8, index=1,
+                                                          amax_history=hist_r, transpose=tx)
+                wr, wr_t = quantize.cast_transpose_to_fp8(w, scale, fp8, index=2,
+                                                          amax_history=hist_r, transpose=tw)
+            for f, r in ((xf, xr), (wf, wr), (xf_t, xr_t), (wf_t, wr_t)):
+                assert (f is None) == (r is None)
+                if f is not None:
+                    assert f.data.shape == r.data.shape
+                    assert torch.equal(_bits(f.data), _bits(r.data))
+                    assert torch.equal(f.scale_inv, r.scale_inv)
+            if history:
+                assert torch.equal(hist_f.nan_to_num(-7.0), hist_r.nan_to_num(-7.0))
+    assert calls.pairs == 4 and len(calls) == 8
 
 
 @cuda_triton
@@ -305,6 +359,8 @@ def test_linear_training_fused_equals_reference(recipe, bias, launch, monkeypatc
     calls = _spy(monkeypatch)
     fused_outputs, fused = _train(KernelConfig(direct_launch=launch == "direct"), recipe, bias)
     assert len(calls) == 18   # x, W, dy of two layers in each of three steps
+    # delayed scaling casts x and W in one launch (quantize.cast_pair_unchecked)
+    assert calls.pairs == (6 if recipe.delayed() else 0)
     ref_outputs, ref = _train(KernelConfig(fused=False), recipe, bias)
     assert len(calls) == 18
     assert_tensors_equal(fused_outputs, ref_outputs, "outputs")
@@ -346,15 +402,15 @@ def test_kernel_config_from_environment():
 def test_direct_launch_guarded_by_triton_version(version, ok):
     """The direct launch relies on Triton internals checked on some versions only; any
     other Triton (an upgrade) launches through the JIT."""
-    from transformer_engine.pytorch import triton_kernels
-    assert triton_kernels.direct_launch_supported(version) is ok
+    from transformer_engine.pytorch import triton_launch
+    assert triton_launch.direct_launch_supported(version) is ok
 
 
 @cuda_triton
 def test_unchecked_triton_version_launches_through_the_jit(monkeypatch):
-    from transformer_engine.pytorch import triton_kernels
-    monkeypatch.setattr(triton_kernels, "_DIRECT_LAUNCH_OK", False)
-    launcher = triton_kernels._Launcher(triton_kernels._amax_kernel)
+    from transformer_engine.pytorch import triton_kernels, triton_launch
+    monkeypatch.setattr(triton_launch, "_DIRECT_LAUNCH_OK", False)
+    launcher = triton_launch.Launcher(triton_kernels._amax_kernel)
     x = torch.randn(4096, device="cuda")
     out = torch.zeros((), dtype=torch.int32, device="cuda")
     for _ in range(2):
@@ -392,7 +448,7 @@ def test_cpu_reference_cast_transpose_matches_parts():
 def test_cpu_delayed_scaling_update_is_the_formulas():
     h = torch.tensor([[2.0, 0.0, 0.0], [8.0, 1.0, 0.0], [4.0, 4.0, 0.0]])
     s = torch.tensor([1.0, 5.0, 7.0])
-    scale, scale_inv, hist = quantize.delayed_scaling_update(h, s, 448.0, 1, "max")
+    scale, scale_inv, hist = delayed_scaling.delayed_scaling_update(h, s, 448.0, 1, "max")
     assert torch.equal(scale, torch.tensor([448.0 / 8 / 2, 448.0 / 4 / 2, 7.0]))  # amax 0: kept
     assert torch.equal(scale_inv, 1 / scale)
     assert torch.equal(hist, torch.tensor([[0.0, 0.0, 0.0], [4.0, 4.0, 0.0], [2.0, 0.0, 0.0]]))

@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..common.recipe import DelayedScaling, Recipe
-from . import quantize
+from . import delayed_scaling
 from .scaling import copy_before_write
 
 __all__ = ["AutocastSession", "update_sessions", "request_backward_update", "observe_registrations",
@@ -92,10 +92,13 @@ class AutocastSession:
     """What one outermost autocast collected: the modules to update, by
     (recipe, amax-reduction group)."""
 
-    __slots__ = ("groups", "requested_in", "__weakref__")
+    __slots__ = ("groups", "last", "requested_in", "__weakref__")
 
     def __init__(self):
         self.groups: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
+        # the group the last registration went to (the recipe object and the group
+        # are almost always the same ones for a whole autocast)
+        self.last: Optional[_UpdateGroup] = None
         # the backward pass that last asked for this session's update (every FP8
         # module's backward asks; only the first ask of a pass needs the lock)
         self.requested_in: Optional[int] = None
@@ -104,10 +107,15 @@ class AutocastSession:
         observer = _OBSERVER.on_register
         if observer is not None:
             observer(fp8_meta)
-        key = (recipe, group)
-        found = self.groups.get(key)
-        if found is None:
-            found = self.groups[key] = _UpdateGroup(recipe, group)
+        last = self.last
+        if last is not None and last.recipe is recipe and last.group is group:
+            found = last        # the common case: no hash of the recipe's fields per call
+        else:
+            key = (recipe, group)
+            found = self.groups.get(key)
+            if found is None:
+                found = self.groups[key] = _UpdateGroup(recipe, group)
+            self.last = found
         found.metas.setdefault(id(fp8_meta), fp8_meta)
 
     def discard_forward_amaxes(self) -> None:
@@ -162,7 +170,7 @@ def _update_states(metas: List[dict], recipe: DelayedScaling, group, forward: bo
     scale_invs = [s.scale_inv for s in states]
     if recipe.scaling_factor_compute_algo is None:
         # one launch on CUDA (NOTE [Fused casts] in quantize.py)
-        quantize.delayed_scaling_update_(histories, scales, scale_invs, max_value, recipe.margin,
+        delayed_scaling.delayed_scaling_update_(histories, scales, scale_invs, max_value, recipe.margin,
                                          recipe.amax_compute_algo, non_finite=counter)
     else:
         _custom_update(histories, scales, scale_invs, max_value, recipe, counter)
@@ -173,18 +181,18 @@ def _custom_update(histories, scales, scale_invs, max_value: float, recipe: Dela
     """The update with the recipe's ``scaling_factor_compute_algo``, on the same
     sanitized history (NOTE [Non-finite amaxes])."""
     sizes = [s.numel() for s in scales]
-    history, finite = quantize.sanitize_live_amax(torch.cat(histories, dim=1))
+    history, finite = delayed_scaling.sanitize_live_amax(torch.cat(histories, dim=1))
     counter.add_((~finite).sum())
     scale = torch.cat(scales)
-    amax_value = quantize.amax_from_history(history, recipe.amax_compute_algo)
+    amax_value = delayed_scaling.amax_from_history(history, recipe.amax_compute_algo)
     new_scale = recipe.scaling_factor_compute_algo(
         amax_value, scale, torch.full_like(scale, max_value), recipe)
-    new_scale = torch.where(finite, quantize.check_computed_scale(new_scale, scale, amax_value),
+    new_scale = torch.where(finite, delayed_scaling.check_computed_scale(new_scale, scale, amax_value),
                             scale)
     torch._foreach_copy_(
         [t for group in (scales, scale_invs, histories) for t in group],
         list(new_scale.split(sizes)) + list(torch.reciprocal(new_scale).split(sizes))
-        + list(quantize.roll_amax_history(history).split(sizes, dim=1)))
+        + list(delayed_scaling.roll_amax_history(history).split(sizes, dim=1)))
 
 
 # ---- backward updates, once per backward pass ------------------------------------------

@@ -7,7 +7,7 @@ NOTE [Kernel selection]
     FP8 copy, and one launch updates all states of a delayed-scaling update (NOTE
     [Fused casts] in quantize.py); otherwise the torch reference ops run. Both compute
     the same bits. ``direct_launch`` calls the compiled Triton kernels' launchers
-    directly (NOTE [Launch overhead] in triton_kernels.py), only on the Triton
+    directly (NOTE [Launch overhead] in triton_launch.py), only on the Triton
     versions that interface was checked on; elsewhere every launch goes through the
     JIT. CPU: ``cpu_gemm`` picks the FP8 GEMM (NOTE [CPU FP8 GEMM]). Block scaling:
     ``block_gemm`` "hardware" runs its GEMMs on Hopper through ``torch._scaled_mm``'s

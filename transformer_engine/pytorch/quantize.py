@@ -1,5 +1,5 @@
-"""Stateless FP8 math: saturating casts, amax, the FP8 GEMM, and the
-delayed-scaling formulas (amax from history, scale from amax, history roll).
+"""Stateless FP8 math: saturating casts, amax, and the FP8 GEMM (the delayed-scaling
+formulas are in `delayed_scaling.py`).
 
 Nothing here reads or writes FP8 global state; `fp8.py` decides *which* scale to
 use and *where* an amax is recorded, the module files decide *what* is cast.
@@ -43,7 +43,7 @@ NOTE [GEMM vocabulary]
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -55,15 +55,13 @@ __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
     "cast_transpose_unchecked", "current_scale", "current_scaling_cast", "fp8_gemm",
     "fp8_gemm_unchecked", "upcast_gemm", "scaled_mm_padded", "check_fp8_matrix", "check_gemm_shape",
-    "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "amax_from_history", "scale_from_amax",
-    "roll_amax_history", "resize_amax_history", "sanitize_live_amax", "check_computed_scale",
-    "delayed_scaling_update", "delayed_scaling_update_", "fused_kernels", "transpose_fp8",
+    "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "fused_kernels", "transpose_fp8",
+    "cast_pair_unchecked",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _GEMM_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP32_MAX = torch.finfo(torch.float32).max
-_FP32_TINY = torch.finfo(torch.float32).tiny     # smallest normal float32
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ---- dispatch to the fused kernels (NOTE [Fused casts]) ---------------------------
@@ -213,6 +211,28 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
     return (q if data else None), (transpose_fp8(q) if transpose else None)
 
 
+def cast_pair_unchecked(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                        dtype: torch.dtype, index: int, amax_history: Optional[torch.Tensor],
+                        transpose_x: bool, transpose_w: bool):
+    """`cast_transpose_unchecked` of a GEMM's two forward operands, ``x`` with
+    ``scale[index]`` and ``w`` with ``scale[index + 1]`` (their amaxes into those
+    slots): ``((x_fp8, x_fp8^T or None), (w_fp8, w_fp8^T or None))``. On CUDA one
+    launch for both (a te.Linear forward pays one launch less); the same bits as two
+    casts."""
+    kernels = fused_kernels(x)
+    if (kernels is not None and w.is_cuda and w.dtype in _HP_DTYPES and w.numel() > 0
+            and w.device == x.device and scale.dtype == torch.float32
+            and scale.is_contiguous() and scale.device == x.device
+            and (amax_history is None or amax_history.is_contiguous())):
+        (qx, qx_t, inv_x), (qw, qw_t, inv_w) = kernels.cast_pair(
+            x, w, scale, dtype, index, index + 1, amax_history, transpose_x, transpose_w)
+        return ((Float8Data(qx, inv_x), Float8Data(qx_t, inv_x) if transpose_x else None),
+                (Float8Data(qw, inv_w), Float8Data(qw_t, inv_w) if transpose_w else None))
+    return (cast_transpose_unchecked(x, scale, dtype, index, amax_history, True, transpose_x),
+            cast_transpose_unchecked(w, scale, dtype, index + 1, amax_history, True,
+                                     transpose_w))
+
+
 def current_scaling_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool,
                          amax_epsilon: float, non_finite: Optional[torch.Tensor],
                          data: bool = True, transpose: bool = False):
@@ -300,151 +320,3 @@ def upcast_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
     if bias is not None:
         out.add_(bias)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
-
-
-# ---- delayed scaling: the formulas, on concatenated buffers ----------------------
-
-def amax_from_history(history: torch.Tensor, algo) -> torch.Tensor:
-    """The amax each scale is computed from. ``history`` is ``[L, n]`` with row 0
-    the live (most recent) row; returns ``[n]``."""
-    if algo == "max":
-        return history.amax(dim=0)
-    if algo == "most_recent":
-        return history[0].clone()
-    # The update hands over a finite, non-negative history (NOTE [Non-finite amaxes] in
-    # amax_update.py), so a result that is not is the callable's error. One host sync:
-    # only custom algorithms pay it.
-    amax_value = _algo_result("amax_compute_algo", algo(history), history[0])
-    bad = ~torch.isfinite(amax_value) | (amax_value < 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"DelayedScaling.amax_compute_algo: the callable returned "
-                         f"{amax_value[i].item()} for tensor {i}; an amax must be finite "
-                         "and >= 0")
-    return amax_value
-
-
-def _algo_result(field: str, out, like: torch.Tensor) -> torch.Tensor:
-    """The result of a recipe's callable ``field`` as float32 on ``like``'s device,
-    after checking that it is a real tensor shaped like ``like``."""
-    api = f"DelayedScaling.{field}"
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{api}: the callable must return a torch.Tensor of shape "
-                        f"{tuple(like.shape)}, got {type(out).__name__}")
-    if out.dtype == torch.bool or out.dtype.is_complex:
-        raise TypeError(f"{api}: the callable must return a real-valued tensor (it is "
-                        f"converted to float32), got dtype {out.dtype}")
-    if out.shape != like.shape:
-        raise ValueError(f"{api}: the callable must return a tensor of shape "
-                         f"{tuple(like.shape)} (one value per tensor), got {tuple(out.shape)}")
-    return out.detach().to(device=like.device, dtype=torch.float32)
-
-
-def check_computed_scale(out, scale: torch.Tensor,
-                         amax_value: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The result of ``DelayedScaling.scaling_factor_compute_algo`` for ``scale [n]``,
-    as float32, checked: shape ``[n]``, finite, and at least the smallest normal
-    float32 (so that ``1 / scale`` is finite too and FP8 data never meets a zero
-    scale). ``amax_value`` is what the callable was given, named in the error. Reads
-    the values on the host (one sync: only custom algorithms pay it)."""
-    new_scale = _algo_result("scaling_factor_compute_algo", out, scale)
-    bad = ~torch.isfinite(new_scale) | (new_scale < _FP32_TINY)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        amax_note = "" if amax_value is None else f" (its amax was {amax_value[i].item()})"
-        raise ValueError(f"DelayedScaling.scaling_factor_compute_algo: the callable returned "
-                         f"{new_scale[i].item()} for tensor {i}{amax_note}; a scale must be "
-                         f"finite and >= {_FP32_TINY} "
-                         "(the smallest normal float32); keep the old scale where amax is 0 "
-                         "or not finite, as the default formula does")
-    return new_scale
-
-
-def scale_from_amax(amax_value: torch.Tensor, scale: torch.Tensor, max_value: float,
-                    margin: int) -> torch.Tensor:
-    """``(fp8_max / amax) / 2**margin``; keeps the old scale where amax is 0, NaN or
-    inf, and clamps an infinite result to the float32 maximum."""
-    new = max_value / amax_value
-    if margin != 0:                 # x / 2**0 is x: one op less in the common case
-        new = new / (2.0 ** margin)
-    ok = (amax_value > 0) & (amax_value <= _FP32_MAX)      # positive and finite
-    return torch.where(ok, new, scale).clamp(max=_FP32_MAX)
-
-
-def roll_amax_history(history: torch.Tensor) -> torch.Tensor:
-    """Advance the history by one step: rows shift up by one (row 0 goes to the
-    end) and the new live row 0 is zeroed. Returns a new tensor."""
-    rolled = torch.roll(history, shifts=-1, dims=0)
-    rolled[0].zero_()
-    return rolled
-
-
-def sanitize_live_amax(history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``history [L, n]`` with non-finite live amaxes (row 0) replaced by 0, and the
-    mask of the finite ones (NOTE [Non-finite amaxes] in amax_update.py)."""
-    finite = torch.isfinite(history[0])
-    clean = torch.cat((torch.where(finite, history[0], 0.0).unsqueeze(0), history[1:]))
-    return clean, finite
-
-
-def resize_amax_history(history: torch.Tensor, length: int) -> torch.Tensor:
-    """``history [L, n]`` as a new ``[length, n]`` history that keeps the live row and
-    the most recent ``length - 1`` completed rows in their places relative to the roll:
-    row 0 stays row 0 and the most recent rows stay at the end, so a shorter history
-    drops the oldest rows (rows 1, 2, ...) and a longer one gets zero rows (no amax
-    seen) in the oldest places, right after row 0."""
-    old = history.shape[0]
-    if length == old:
-        return history.clone()
-    if length < old:
-        return torch.cat([history[:1], history[old - length + 1:]])
-    pad = history.new_zeros(length - old, history.shape[1])
-    return torch.cat([history[:1], pad, history[1:]])
-
-
-def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, max_value: float,
-                           margin: int, algo) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The delayed-scaling update of ``n`` tensors at once, as new tensors: ``(new_scale,
-    new_scale_inv, new_history)`` from ``history [L, n]`` and ``scale [n]`` (amax from
-    the history by ``algo``, scale from amax, ``1 / scale``, history rolled). A
-    non-finite live amax keeps its scale and enters the history as 0. These are the
-    reference formulas; `delayed_scaling_update_` applies them in place."""
-    history, finite = sanitize_live_amax(history)
-    return _update_from_clean(history, finite, scale, max_value, margin, algo)
-
-
-def _update_from_clean(history: torch.Tensor, finite: torch.Tensor, scale: torch.Tensor,
-                       max_value: float, margin: int, algo):
-    """`delayed_scaling_update` on a history `sanitize_live_amax` has cleaned."""
-    amax_value = amax_from_history(history, algo)
-    new_scale = torch.where(finite, scale_from_amax(amax_value, scale, max_value, margin), scale)
-    return new_scale, torch.reciprocal(new_scale), roll_amax_history(history)
-
-
-def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                            scale_invs: Sequence[torch.Tensor], max_value: float, margin: int,
-                            algo, non_finite: Optional[torch.Tensor] = None) -> None:
-    """Update many delayed-scaling states in place: for each ``i``, ``scales[i]``,
-    ``scale_invs[i]`` (``[n_i]``) and ``histories[i]`` (``[L, n_i]``, one ``L``) get
-    the values of `delayed_scaling_update`; the number of non-finite live amaxes is
-    added to ``non_finite`` (a one-element int32 tensor on their device) if given.
-
-    On CUDA with Triton and ``algo`` "max" or "most_recent" this is one launch for all
-    states (NOTE [Fused casts]); otherwise the formulas run once on the concatenated
-    states and the results are copied back.
-    """
-    kernels = fused_kernels(histories[0])
-    if (kernels is not None and algo in ("max", "most_recent")
-            and kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo,
-                                        non_finite)):
-        return
-    sizes = [s.numel() for s in scales]
-    history, finite = sanitize_live_amax(torch.cat(list(histories), dim=1))
-    if non_finite is not None:
-        non_finite.add_((~finite).sum())
-    new_scale, new_scale_inv, new_history = _update_from_clean(
-        history, finite, torch.cat(list(scales)), max_value, margin, algo)
-    torch._foreach_copy_(
-        list(scales) + list(scale_invs) + list(histories),
-        list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes))
-        + list(new_history.split(sizes, dim=1)))

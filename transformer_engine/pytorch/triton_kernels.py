@@ -19,22 +19,7 @@ torch reference path in `quantize.py` computes (bit for bit):
 - ``scale_inv = 1 / scale`` with IEEE rounding (``div_rn``), written by one program
   into a fresh tensor, as ``torch.reciprocal`` does.
 
-NOTE [Launch overhead]
-    A small ``te.Linear`` step is bound by the host, not the GPU, and Triton's JIT
-    launch path binds and specializes every argument, builds launch metadata and calls
-    its (empty) launch hooks on every call. So each launch here goes through
-    `_Launcher`: the first launch of a specialization goes through the JIT, which
-    compiles and returns the compiled kernel; later ones call that kernel's launcher
-    directly. Each wrapper passes a key of what the JIT specializes on among the
-    arguments that can vary: dtypes, constexpr values, and Triton's rule for the rest
-    (an int on being 1, on divisibility by 16 and on fitting int32; a pointer on
-    16-byte alignment), so a compiled kernel is reused only where the JIT would reuse
-    it (tests/pytorch/test_triton_kernels.py alternates such arguments). The compiled
-    kernel's launcher and that key rule are Triton internals, checked on the versions
-    in `DIRECT_LAUNCH_TRITON_VERSIONS` only: on any other Triton, with a launch hook
-    registered (a profiler's), or with ``KernelConfig.direct_launch`` off, every launch
-    goes through the JIT. On an H200 machine this took a ``te.Linear`` step at 256^3
-    from 1285 to 795 us of host time (benchmarks/bench_linear.py).
+Launches go through `triton_launch.py` (NOTE [Launch overhead]).
 """
 
 from __future__ import annotations
@@ -43,62 +28,41 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .kernel_config import get_kernel_config
-
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
-try:
-    from triton import knobs as _knobs
-except ImportError:  # pragma: no cover - older Triton: every launch through the JIT
-    _knobs = None
+
+from .triton_launch import (DIRECT_LAUNCH_TRITON_VERSIONS, Launcher, aligned,
+                            direct_launch_supported, int_spec)
 
 AVAILABLE = triton is not None
 
-__all__ = ["AVAILABLE", "cast_transpose", "amax", "delayed_update_", "block_cast", "transpose",
-           "direct_launch_supported", "DIRECT_LAUNCH_TRITON_VERSIONS"]
+__all__ = ["AVAILABLE", "cast_transpose", "cast_pair", "amax", "delayed_update_", "block_cast",
+           "transpose", "direct_launch_supported", "DIRECT_LAUNCH_TRITON_VERSIONS"]
 
 # One tile per program. Picked by timing on an H200 (benchmarks/bench_linear.py --tune).
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
 _AMAX_BLOCK, _AMAX_WARPS = 4096, 8
 _UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 256, 16
-_INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
 _F32 = torch.float32
 _FP32_MAX = torch.finfo(torch.float32).max
-
-# (major, minor) of the Triton releases whose launcher interface and specialization
-# rule NOTE [Launch overhead] was checked against.
-DIRECT_LAUNCH_TRITON_VERSIONS = ((3, 6),)
-
-
-def direct_launch_supported(version: Optional[str]) -> bool:
-    """Whether the direct launch may be used with this Triton version string."""
-    if not version:
-        return False
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) in DIRECT_LAUNCH_TRITON_VERSIONS
-
-
-_DIRECT_LAUNCH_OK = AVAILABLE and direct_launch_supported(getattr(triton, "__version__", None))
+_FP8_MAX = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
+            torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
 
 if AVAILABLE:
     _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
     @triton.jit
-    def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, scale_inv_ptr, index,
-                               M, N, stride_xm, stride_xn,
-                               FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                               WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-                               WRITE_AMAX: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    def _cast_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, scale_inv_ptr, index,
+                   M, N, stride_xm, stride_xn, pid_m, pid_n,
+                   FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, WRITE_Q: tl.constexpr,
+                   WRITE_QT: tl.constexpr, WRITE_AMAX: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Tile (pid_m, pid_n) of x [M, N]: amax folded into amax[index], FP8 values
+        # into q and/or (transposed) qt; tile (0, 0) writes scale_inv.
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm64 = rm.to(tl.int64)
@@ -125,6 +89,40 @@ if AVAILABLE:
             tl.store(qt_ptr + rn64[:, None] * M + rm64[None, :], yt.to(OUT_DTYPE), mask=mask_t)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))   # IEEE-rounded
+
+    @triton.jit
+    def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, scale_inv_ptr, index,
+                               M, N, stride_xm, stride_xn,
+                               FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                               WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                               WRITE_AMAX: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        _cast_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, scale_inv_ptr, index, M, N,
+                   stride_xm, stride_xn, tl.program_id(0), tl.program_id(1), FP8_MAX,
+                   OUT_DTYPE, WRITE_Q, WRITE_QT, WRITE_AMAX, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def _cast_pair_kernel(a_ptr, b_ptr, scale_ptr, qa_ptr, qta_ptr, qb_ptr, qtb_ptr, amax_ptr,
+                          scale_inv_a_ptr, scale_inv_b_ptr, index_a, index_b,
+                          MA, NA, stride_am, stride_an, MB, NB, stride_bm, stride_bn,
+                          FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                          WRITE_QTA: tl.constexpr, WRITE_QTB: tl.constexpr,
+                          WRITE_AMAX: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # A 1-D grid: the first tiles(a) programs cast a's tiles, the rest b's.
+        pid = tl.program_id(0)
+        tiles_an = tl.cdiv(NA, BLOCK_N)
+        programs_a = tl.cdiv(MA, BLOCK_M) * tiles_an
+        if pid < programs_a:
+            _cast_tile(a_ptr, scale_ptr, qa_ptr, qta_ptr, amax_ptr, scale_inv_a_ptr, index_a,
+                       MA, NA, stride_am, stride_an, pid // tiles_an, pid % tiles_an,
+                       FP8_MAX, OUT_DTYPE, True, WRITE_QTA, WRITE_AMAX, BLOCK_M, BLOCK_N)
+        else:
+            p = pid - programs_a
+            tiles_bn = tl.cdiv(NB, BLOCK_N)
+            _cast_tile(b_ptr, scale_ptr, qb_ptr, qtb_ptr, amax_ptr, scale_inv_b_ptr, index_b,
+                       MB, NB, stride_bm, stride_bn, p // tiles_bn, p % tiles_bn,
+                       FP8_MAX, OUT_DTYPE, True, WRITE_QTB, WRITE_AMAX, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _max_nan(a, b):
@@ -187,63 +185,11 @@ if AVAILABLE:
         tl.atomic_max(out_ptr, tl.max(bits, axis=0))
 
 
-def _int_spec(v: int) -> int:
-    """What Triton's JIT specializes an int argument on: 1, divisible by 16, or
-    neither; and whether it fits int32 (NOTE [Launch overhead])."""
-    spec = 1 if v == 1 else (16 if v % 16 == 0 else 0)
-    return spec if _INT32_MIN <= v <= _INT32_MAX else spec + 64
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """Whether Triton's JIT would specialize this pointer argument as 16-byte aligned."""
-    return t.data_ptr() % 16 == 0
-
-
-def _hooks_registered() -> bool:
-    """Whether a Triton launch hook (a profiler's) is registered; then every launch
-    goes through Triton's own path, which calls it."""
-    if _knobs is None:
-        return True
-    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
-
-
-class _Launcher:
-    """Launches one JIT kernel (NOTE [Launch overhead]). The caller passes ``key``:
-    everything the JIT specializes the kernel on (dtypes, constexpr values, int and
-    alignment specializations of the runtime arguments) that its arguments can vary
-    in. The first launch of a key goes through the JIT; later ones call the compiled
-    kernel's launcher directly. Arguments are positional, constexprs included, in the
-    kernel's parameter order."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.compiled: Dict[tuple, tuple] = {}
-
-    def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:
-        if not (_DIRECT_LAUNCH_OK and get_kernel_config().direct_launch):
-            self.kernel[grid](*args, num_warps=num_warps)
-            return
-        device = torch.cuda.current_device()      # Triton launches on the current device
-        entry = self.compiled.get((device, key))
-        if entry is None or _hooks_registered():
-            compiled = self.kernel[grid](*args, num_warps=num_warps)
-            if (entry is None and compiled is not None
-                    and getattr(compiled, "function", None) is not None):
-                self.compiled[(device, key)] = (compiled.run, compiled.function,
-                                                compiled.packed_metadata)
-            return
-        run, function, metadata = entry
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
-
-
 if AVAILABLE:
-    _launch_cast = _Launcher(_cast_transpose_kernel)
-    _launch_update = _Launcher(_delayed_update_kernel)
-    _launch_amax = _Launcher(_amax_kernel)
+    _launch_cast = Launcher(_cast_transpose_kernel)
+    _launch_cast_pair = Launcher(_cast_pair_kernel)
+    _launch_update = Launcher(_delayed_update_kernel)
+    _launch_amax = Launcher(_amax_kernel)
 
 
 def _set_tiles(tile_m: int, tile_n: int, warps: int) -> Tuple[int, int, int]:
@@ -270,15 +216,47 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     has_amax = amax_history is not None
     sxm, sxn = x.stride()
-    key = (x.dtype, dtype, data, transpose, has_amax, _aligned(x), _aligned(scale),
-           has_amax and _aligned(amax_history), _int_spec(index), _int_spec(m), _int_spec(n),
-           _int_spec(sxm), _int_spec(sxn), _TILE_M, _TILE_N, _WARPS)
+    key = (x.dtype, dtype, data, transpose, has_amax, aligned(x), aligned(scale),
+           has_amax and aligned(amax_history), int_spec(index), int_spec(m), int_spec(n),
+           int_spec(sxm), int_spec(sxn), _TILE_M, _TILE_N, _WARPS)
     _launch_cast((-(-m // _TILE_M), -(-n // _TILE_N), 1), _WARPS, key,
                  x, scale, q if data else scale_inv, q_t if transpose else scale_inv,
                  amax_history if has_amax else scale_inv, scale_inv, index, m, n, sxm, sxn,
-                 torch.finfo(dtype).max, _TL_FP8[dtype], data, transpose, has_amax,
+                 _FP8_MAX[dtype], _TL_FP8[dtype], data, transpose, has_amax,
                  _TILE_M, _TILE_N)
     return q, q_t, scale_inv
+
+
+def cast_pair(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+              index_a: int, index_b: int, amax_history: Optional[torch.Tensor],
+              transpose_a: bool, transpose_b: bool):
+    """`cast_transpose` of two 2-D CUDA tensors with the same scale vector and amax
+    history (a GEMM's two forward operands, slots ``index_a`` and ``index_b``) in one
+    launch, the same bits: ``((qa, qa_t or None, scale_inv_a), (qb, qb_t or None,
+    scale_inv_b))``. The caller has checked what it checks for `cast_transpose`."""
+    ma, na = a.shape
+    mb, nb = b.shape
+    device = a.device
+    qa = torch.empty((ma, na), dtype=dtype, device=device)
+    qb = torch.empty((mb, nb), dtype=dtype, device=device)
+    qa_t = torch.empty((na, ma), dtype=dtype, device=device) if transpose_a else None
+    qb_t = torch.empty((nb, mb), dtype=dtype, device=device) if transpose_b else None
+    inv_a = torch.empty(1, dtype=_F32, device=device)
+    inv_b = torch.empty(1, dtype=_F32, device=device)
+    has_amax = amax_history is not None
+    sam, san = a.stride()
+    sbm, sbn = b.stride()
+    key = (a.dtype, b.dtype, dtype, transpose_a, transpose_b, has_amax, aligned(a), aligned(b),
+           aligned(scale), has_amax and aligned(amax_history), int_spec(index_a),
+           int_spec(index_b), int_spec(ma), int_spec(na), int_spec(sam), int_spec(san),
+           int_spec(mb), int_spec(nb), int_spec(sbm), int_spec(sbn), _TILE_M, _TILE_N, _WARPS)
+    programs = (-(-ma // _TILE_M)) * (-(-na // _TILE_N)) + (-(-mb // _TILE_M)) * (-(-nb // _TILE_N))
+    _launch_cast_pair((programs, 1, 1), _WARPS, key, a, b, scale, qa,
+                      qa_t if transpose_a else qa, qb, qb_t if transpose_b else qb,
+                      amax_history if has_amax else inv_a, inv_a, inv_b, index_a, index_b,
+                      ma, na, sam, san, mb, nb, sbm, sbn, _FP8_MAX[dtype], _TL_FP8[dtype],
+                      transpose_a, transpose_b, has_amax, _TILE_M, _TILE_N)
+    return (qa, qa_t, inv_a), (qb, qb_t, inv_b)
 
 
 # Device tables of state addresses, keyed by those addresses (the table is a function
@@ -293,7 +271,7 @@ def delayed_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Te
     """One launch of the delayed-scaling update of many states, in place: for each
     ``i``, from ``histories[i] [L, n_i]`` and ``scales[i] [n_i]`` write the new scale,
     ``1 / scale`` and the rolled history, the values of
-    `quantize.delayed_scaling_update`, and add the number of non-finite live amaxes to
+    `delayed_scaling.delayed_scaling_update`, and add the number of non-finite live amaxes to
     ``non_finite`` (an int32 scalar tensor) if given. Returns False, having done
     nothing, unless every tensor is a contiguous float32 tensor on the first history's
     CUDA device, the histories share ``L`` and the shapes agree."""
@@ -321,7 +299,7 @@ def delayed_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Te
                       and non_finite.get_device() == device):
         return False
     algo_max = algo == "max"
-    spec = (length, algo_max, count, count and _aligned(non_finite))
+    spec = (length, algo_max, count, count and aligned(non_finite))
     _launch_update((len(key), -(-widest // _UPDATE_BLOCK_N), 1), 4, spec,
                    table, non_finite if count else table, float(max_value), 2.0 ** -margin,
                    length, algo_max, count, _UPDATE_BLOCK_L, _UPDATE_BLOCK_N, _FP32_MAX)
@@ -372,7 +350,7 @@ if AVAILABLE:
             tl.store(scale_inv_ptr + r64 * col_blocks + pid_c, tl.div_rn(1.0, scale), mask=rmask)
             tl.store(amax_ptr + r64 * col_blocks + pid_c, block_amax, mask=rmask)
 
-    _launch_block_cast = _Launcher(_block_cast_kernel)
+    _launch_block_cast = Launcher(_block_cast_kernel)
 
 _BLOCK = 128
 _BLOCK_CAST_ROWS, _BLOCK_CAST_WARPS = 32, 4      # 1x128 blocks: rows per program
@@ -394,11 +372,11 @@ def block_cast(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_sca
     rows = _BLOCK if tile else _BLOCK_CAST_ROWS
     epsilon = amax_epsilon > 0
     sr, sc = x.stride()
-    key = (x.dtype, dtype, power_2_scale, epsilon, tile, _aligned(x), _int_spec(r),
-           _int_spec(c), _int_spec(sr), _int_spec(sc), _int_spec(cb))
+    key = (x.dtype, dtype, power_2_scale, epsilon, tile, aligned(x), int_spec(r),
+           int_spec(c), int_spec(sr), int_spec(sc), int_spec(cb))
     _launch_block_cast((-(-r // rows), cb, 1), _TILE_CAST_WARPS if tile else _BLOCK_CAST_WARPS,
                        key, x, q, scale_inv, block_amax, r, c, sr, sc, cb, float(amax_epsilon),
-                       torch.finfo(dtype).max, _TL_FP8[dtype], power_2_scale, epsilon, tile,
+                       _FP8_MAX[dtype], _TL_FP8[dtype], power_2_scale, epsilon, tile,
                        rows, _BLOCK, _FP32_MAX)
     return q, scale_inv, block_amax
 
@@ -416,7 +394,7 @@ if AVAILABLE:
         v = tl.load(x_ptr + rm64[None, :] * N + rn64[:, None], mask=mask)
         tl.store(y_ptr + rn64[:, None] * M + rm64[None, :], v, mask=mask)
 
-    _launch_transpose = _Launcher(_transpose_kernel)
+    _launch_transpose = Launcher(_transpose_kernel)
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:
@@ -426,7 +404,7 @@ def transpose(x: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     y = torch.empty((n, m), dtype=x.dtype, device=x.device)
     xb, yb = x.view(torch.uint8), y.view(torch.uint8)
-    key = (_aligned(x), _aligned(y), _int_spec(m), _int_spec(n), _TILE_M, _TILE_N, _WARPS)
+    key = (aligned(x), aligned(y), int_spec(m), int_spec(n), _TILE_M, _TILE_N, _WARPS)
     _launch_transpose((-(-m // _TILE_M), -(-n // _TILE_N), 1), _WARPS, key, xb, yb, m, n,
                       _TILE_M, _TILE_N)
     return y
@@ -437,5 +415,5 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.int32, device=x.device)
     numel = x.numel()
     _launch_amax((-(-numel // _AMAX_BLOCK), 1, 1), _AMAX_WARPS,
-                 (x.dtype, _aligned(x), _int_spec(numel)), x, out, numel, _AMAX_BLOCK)
+                 (x.dtype, aligned(x), int_spec(numel)), x, out, numel, _AMAX_BLOCK)
     return out.view(torch.float32)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from ...common.recipe import DelayedScaling, Recipe
-from .. import distributed, quantize, recompute
+from .. import delayed_scaling, distributed, recompute
 from ..fp8 import FP8GlobalStateManager
 from ..model_init import model_init_state
 from ..scaling import ScalingState
@@ -167,7 +167,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def _adopt_recipe(self, recipe: Recipe) -> None:
         """Keep the state (fresh if there is none); a history of another length than
         the recipe's is resized, keeping the scales and the most recent amaxes
-        (`quantize.resize_amax_history`), never discarded."""
+        (`delayed_scaling.resize_amax_history`), never discarded."""
         self.fp8_meta["recipe"] = recipe
         self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():
@@ -179,7 +179,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                     s = self.fp8_meta[key]
                     self.fp8_meta[key] = ScalingState(
                         s.scale.clone(), s.scale_inv.clone(),
-                        quantize.resize_amax_history(s.amax_history, recipe.amax_history_len))
+                        delayed_scaling.resize_amax_history(s.amax_history, recipe.amax_history_len))
 
     def _take_autocast_state(self):
         """``(fp8, calibrating, recipe)`` of this thread's FP8 autocast, as this module

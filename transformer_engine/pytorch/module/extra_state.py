@@ -35,7 +35,7 @@ NOTE [FP8 extra state payload]
     "scaling_bwd": {...}}``) still load, through ``torch.load(weights_only=True)``.
 
     A history length that differs from the recipe in force at a later forward is
-    adapted there (`quantize.resize_amax_history`: the oldest rows dropped, or zero
+    adapted there (`delayed_scaling.resize_amax_history`: the oldest rows dropped, or zero
     rows added as the oldest), keeping the loaded scales; it is never discarded.
 """
 

@@ -45,7 +45,7 @@ from ..tensor import Float8Tensor
 from .base import ForwardPlan
 from .fp8_params import weight_operands
 
-__all__ = ["cast_operand", "fp8_weight"]
+__all__ = ["cast_operand", "fp8_weight", "forward_operands"]
 
 
 def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
@@ -66,6 +66,22 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
     q = getattr(plan.recipe, "fp8_quant_" + role)
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
                                          non_finite_counter(x.device), data, transpose)
+
+
+def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict,
+                     state, index: int, gemm: int, dtype: torch.dtype, transpose_x: bool,
+                     transpose_w: bool):
+    """``((x_fp8, x_fp8^T), (w_fp8, w_fp8^T))``, the forward operands of GEMM ``gemm``
+    (input in slot ``index``, weight in ``index + 1``), transposes as asked for. A
+    plain delayed-scaling weight cast (no cache in use, not an FP8 primary weight)
+    shares one launch with the input's (`quantize.cast_pair_unchecked`)."""
+    if plan.delayed and plan.is_first_microbatch is None and not isinstance(weight, Float8Tensor):
+        return quantize.cast_pair_unchecked(x, weight, state.scale, dtype, index,
+                                            state.amax_history if plan.record_amax else None,
+                                            transpose_x, transpose_w)
+    return (cast_operand(x, plan, state, index, dtype, plan.record_amax, "fwd_inp",
+                         transpose=transpose_x),
+            fp8_weight(weight, plan, fp8_meta, state, index + 1, gemm, dtype, transpose_w))
 
 
 def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, index: int,

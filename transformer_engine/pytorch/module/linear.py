@@ -13,13 +13,14 @@ import torch.nn.functional as F
 
 from .. import block_scaling, quantize
 from ..amax_update import request_backward_update
+from ..fp8_shapes import Float8Data
 from ..tensor import QuantizedTensor
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
-from .fp8_operands import cast_operand, fp8_weight
+from .fp8_operands import cast_operand, forward_operands
 from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
@@ -46,14 +47,18 @@ def _fast_accum(recipe, gemm_field: str, default: bool) -> bool:
 
 
 def _saved(q):
-    """The tensors of an FP8 operand to save for backward, and the operand without
-    them (`_restored` puts them back)."""
+    """The tensors of an FP8 operand to save for backward, and what `_restored` needs
+    to rebuild the operand from them (the class alone for plain `Float8Data`)."""
     if q is None:
         return (None, None), None
+    if type(q) is Float8Data:
+        return (q.data, q.scale_inv), Float8Data
     return (q.data, q.scale_inv), q._replace(data=None, scale_inv=None)
 
 
 def _restored(kind, data, scale_inv):
+    if kind is Float8Data:
+        return Float8Data(data, scale_inv)
     return kind._replace(data=data, scale_inv=scale_inv)
 
 
@@ -75,11 +80,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with no_autocast(x.device.type):
-            x_fp8, x_t = cast_operand(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
-                                      "fwd_inp",
-                               transpose=need_wgrad)
-            w_fp8, w_t = fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
-                                     fmt.dtype_fwd, transpose=need_dgrad)
+            (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state, i,
+                                                          gemm, fmt.dtype_fwd, need_wgrad,
+                                                          need_dgrad)
             y = _gemm(x_fp8, w_fp8, out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
         (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
@@ -118,8 +121,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                     wgrad = accumulate_into_main_grad(
                         ctx.main_grad_weight, _gemm(dy_t, x_t, torch.float32, fast_accum=fast))
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                # float32 accumulation without a float32 copy of dy
-                dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+                # float32 accumulation (torch's for 16-bit sums too), rounded once
+                dbias = (dy.sum(0) if dy.dtype == ctx.bias_dtype
+                         else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
         if plan.session is not None:
             request_backward_update(plan.session)
         return dgrad, wgrad, dbias, None, None, None, None, None
