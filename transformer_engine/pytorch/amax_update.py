@@ -44,7 +44,7 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -127,9 +127,14 @@ class AutocastSession:
                 state.amax_history[0].zero_()
 
 
-def update_sessions(sessions: Iterable[AutocastSession], forward: bool) -> None:
+def update_sessions(sessions: Sequence[AutocastSession], forward: bool) -> None:
     """Update the forward (or backward) states of the sessions' modules: one update
     per (recipe, group), each module once even when several sessions hold it."""
+    if len(sessions) == 1:         # nothing to merge (no hash of the recipes' fields)
+        for g in sessions[0].groups.values():
+            _update_states(list(g.metas.values()), g.recipe, g.group, forward)
+        _NON_FINITE.warn_once_if_seen()
+        return
     merged: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
     for session in sessions:
         for key, g in session.groups.items():

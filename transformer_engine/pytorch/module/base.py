@@ -76,6 +76,24 @@ class ForwardPlan:
         self.delayed = self.recipe is not None and self.recipe.delayed()
 
 
+class _ForwardScope:
+    """What `prepare_forward` returns: yields the plan; on exit puts the live forward
+    state back when the forward ran on a recompute stash (a class, not a generator:
+    its enter and exit run on every module call)."""
+
+    __slots__ = ("plan", "swapped_meta")
+
+    def __init__(self, plan: ForwardPlan, swapped_meta: Optional[dict]):
+        self.plan, self.swapped_meta = plan, swapped_meta
+
+    def __enter__(self) -> ForwardPlan:
+        return self.plan
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.swapped_meta is not None:
+            FP8GlobalStateManager.restore_fp8_meta_tensors(self.swapped_meta)
+
+
 class TransformerEngineBaseModule(ParameterInitMixin):
     """Base of TE modules: owns ``fp8_meta`` (``"recipe"``, ``"scaling_fwd"``,
     ``"scaling_bwd"``) for its ``num_gemms`` GEMMs: forward tensors are
@@ -209,17 +227,16 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                              f"got {num_gemms!r}")
         self._take_autocast_state()
 
-    @contextlib.contextmanager
     def prepare_forward(self, inp: Optional[torch.Tensor] = None,
-                        is_first_microbatch: Optional[bool] = None):
-        """Decide how this call uses FP8 and do its recompute bookkeeping.
+                        is_first_microbatch: Optional[bool] = None) -> "_ForwardScope":
+        """Decide how this call uses FP8 and do its recompute bookkeeping; a context
+        manager that yields a `ForwardPlan`.
 
         Phase 1 of a checkpoint stashes the forward state; the recompute swaps the
         stash in for the duration of the forward and puts the live state back after.
         ``is_first_microbatch`` is checked and handed on in the plan (NOTE [FP8 weight
         cache] in fp8_operands.py); while a CUDA graph is captured and the skip-update
-        tensor is set, that tensor decides instead (NOTE [Skip-update flag]). Yields a
-        `ForwardPlan`.
+        tensor is set, that tensor decides instead (NOTE [Skip-update flag]).
         """
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
@@ -247,11 +264,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             if distributed.is_fp8_activation_recompute_enabled():
                 plan.stash = FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
                     self.fp8_meta, plan.session)
-        try:
-            yield plan
-        finally:
-            if swapped:
-                FP8GlobalStateManager.restore_fp8_meta_tensors(self.fp8_meta)
+        return _ForwardScope(plan, self.fp8_meta if swapped else None)
 
     # ---- FP8 state in state_dict (NOTE [FP8 extra state payload]) -------------------
     def get_extra_state(self) -> torch.Tensor:

@@ -62,6 +62,18 @@ def _restored(kind, data, scale_inv):
     return kind._replace(data=data, scale_inv=scale_inv)
 
 
+class _LinearCall:
+    """The non-tensor arguments of one `_FP8LinearFunction` call, as one argument
+    (autograd's ``apply`` inspects every argument: fewer is cheaper on the host)."""
+
+    __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad")
+
+    def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
+                 fuse_wgrad: bool):
+        self.plan, self.fp8_meta, self.gemm = plan, fp8_meta, gemm
+        self.out_dtype, self.fuse_wgrad = out_dtype, fuse_wgrad
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with FP8 forward, dgrad and wgrad GEMMs.
 
@@ -73,8 +85,8 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
-                fuse_wgrad: bool):
+                call: "_LinearCall"):
+        plan, fp8_meta, gemm = call.plan, call.fp8_meta, call.gemm
         fmt = plan.recipe.fp8_format.value
         state = fp8_meta["scaling_fwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
@@ -83,14 +95,14 @@ class _FP8LinearFunction(torch.autograd.Function):
             (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state, i,
                                                           gemm, fmt.dtype_fwd, need_wgrad,
                                                           need_dgrad)
-            y = _gemm(x_fp8, w_fp8, out_dtype, bias,
+            y = _gemm(x_fp8, w_fp8, call.out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
         (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
         (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
         ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.main_grad_weight = weight if fuse_wgrad else None
+        ctx.main_grad_weight = weight if call.fuse_wgrad else None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -126,7 +138,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                          else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
         if plan.session is not None:
             request_backward_update(plan.session)
-        return dgrad, wgrad, dbias, None, None, None, None, None
+        return dgrad, wgrad, dbias, None
 
 
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -170,8 +182,9 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             and not plan.recipe.float8_block_scaling():
         quantize.check_fp8_matrix(api, input_name, x.shape)
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
-    y = _FP8LinearFunction.apply(x2d, weight, bias, plan, fp8_meta, gemm, out_dtype,
-                                 fuse_wgrad_accumulation)
+    y = _FP8LinearFunction.apply(x2d, weight, bias,
+                                 _LinearCall(plan, fp8_meta, gemm, out_dtype,
+                                             fuse_wgrad_accumulation))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
