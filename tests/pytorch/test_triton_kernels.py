@@ -176,7 +176,7 @@ def test_delayed_scaling_update_in_place_bitwise(algo, length, widths, margin, m
     for _ in range(2):       # the second call reuses the cached table
         non_finite += sum(int((~h[0].isfinite()).sum()) for h in hists)
         delayed_scaling.delayed_scaling_update_(hists, scales, scale_invs, max_value, margin, algo,
-                                         non_finite=counter)
+                                                non_finite=counter)
         assert counter.item() == non_finite       # non-finite live amaxes, counted in-kernel
         for (e_scale, e_inv, e_hist), s, si, h in zip(expect, scales, scale_invs, hists):
             assert torch.equal(s, e_scale) and torch.equal(si, e_inv)

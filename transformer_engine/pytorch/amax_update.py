@@ -175,8 +175,9 @@ def _update_states(metas: List[dict], recipe: DelayedScaling, group, forward: bo
     scale_invs = [s.scale_inv for s in states]
     if recipe.scaling_factor_compute_algo is None:
         # one launch on CUDA (NOTE [Fused casts] in quantize.py)
-        delayed_scaling.delayed_scaling_update_(histories, scales, scale_invs, max_value, recipe.margin,
-                                         recipe.amax_compute_algo, non_finite=counter)
+        delayed_scaling.delayed_scaling_update_(histories, scales, scale_invs, max_value,
+                                                recipe.margin, recipe.amax_compute_algo,
+                                                non_finite=counter)
     else:
         _custom_update(histories, scales, scale_invs, max_value, recipe, counter)
 
@@ -192,8 +193,8 @@ def _custom_update(histories, scales, scale_invs, max_value: float, recipe: Dela
     amax_value = delayed_scaling.amax_from_history(history, recipe.amax_compute_algo)
     new_scale = recipe.scaling_factor_compute_algo(
         amax_value, scale, torch.full_like(scale, max_value), recipe)
-    new_scale = torch.where(finite, delayed_scaling.check_computed_scale(new_scale, scale, amax_value),
-                            scale)
+    checked = delayed_scaling.check_computed_scale(new_scale, scale, amax_value)
+    new_scale = torch.where(finite, checked, scale)
     torch._foreach_copy_(
         [t for group in (scales, scale_invs, histories) for t in group],
         list(new_scale.split(sizes)) + list(torch.reciprocal(new_scale).split(sizes))

@@ -195,9 +195,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             elif state.amax_history.shape[0] != recipe.amax_history_len:
                 for key in ("scaling_fwd", "scaling_bwd"):
                     s = self.fp8_meta[key]
-                    self.fp8_meta[key] = ScalingState(
-                        s.scale.clone(), s.scale_inv.clone(),
-                        delayed_scaling.resize_amax_history(s.amax_history, recipe.amax_history_len))
+                    history = delayed_scaling.resize_amax_history(s.amax_history,
+                                                                  recipe.amax_history_len)
+                    self.fp8_meta[key] = ScalingState(s.scale.clone(), s.scale_inv.clone(), history)
 
     def _take_autocast_state(self):
         """``(fp8, calibrating, recipe)`` of this thread's FP8 autocast, as this module
