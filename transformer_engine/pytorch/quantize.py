@@ -97,6 +97,14 @@ def _fused_scale_ok(scale: torch.Tensor, x: torch.Tensor) -> bool:
     return scale.dtype == torch.float32 and scale.numel() == 1 and scale.device == x.device
 
 
+def _fused_state_ok(x: torch.Tensor, scale: torch.Tensor,
+                    amax_history: Optional[torch.Tensor]) -> bool:
+    """Whether a scale vector and amax history can go to the fused cast of ``x``:
+    float32 (as the states make them), contiguous, on ``x``'s device."""
+    return (scale.dtype == torch.float32 and scale.is_contiguous() and scale.device == x.device
+            and (amax_history is None or amax_history.is_contiguous()))
+
+
 _FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in FP8_DTYPES}
 
 
@@ -192,9 +200,7 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
     """`cast_transpose_to_fp8` without its argument checks, for the modules, which
     build the arguments themselves (the host cost of a small step matters)."""
     kernels = fused_kernels(x)
-    if (kernels is not None and scale.dtype == torch.float32 and scale.is_contiguous()
-            and scale.device == x.device
-            and (amax_history is None or amax_history.is_contiguous())):
+    if kernels is not None and _fused_state_ok(x, scale, amax_history):
         q, q_t, scale_inv = kernels.cast_transpose(x, scale, dtype, index=index,
                                                    amax_history=amax_history,
                                                    data=data, transpose=transpose)
@@ -220,10 +226,8 @@ def cast_pair_unchecked(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     launch for both (a te.Linear forward pays one launch less); the same bits as two
     casts."""
     kernels = fused_kernels(x)
-    if (kernels is not None and w.is_cuda and w.dtype in _HP_DTYPES and w.numel() > 0
-            and w.device == x.device and scale.dtype == torch.float32
-            and scale.is_contiguous() and scale.device == x.device
-            and (amax_history is None or amax_history.is_contiguous())):
+    if (kernels is not None and fused_kernels(w) is not None and w.device == x.device
+            and _fused_state_ok(x, scale, amax_history)):
         (qx, qx_t, inv_x), (qw, qw_t, inv_w) = kernels.cast_pair(
             x, w, scale, dtype, index, index + 1, amax_history, transpose_x, transpose_w)
         return ((Float8Data(qx, inv_x), Float8Data(qx_t, inv_x) if transpose_x else None),

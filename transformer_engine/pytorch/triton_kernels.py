@@ -200,6 +200,25 @@ def _set_tiles(tile_m: int, tile_n: int, warps: int) -> Tuple[int, int, int]:
     return old
 
 
+def _cast_operand(x: torch.Tensor, dtype: torch.dtype, data: bool, transpose: bool):
+    """The outputs of casting a 2-D ``x`` (``q`` / ``q_t`` as asked for, a fresh
+    ``scale_inv``) and the part of the launch key ``x`` decides (NOTE [Launch
+    overhead]): its dtype, alignment, and its shape's and strides' specializations."""
+    m, n = x.shape
+    sm, sn = x.stride()
+    device = x.device
+    q = torch.empty((m, n), dtype=dtype, device=device) if data else None
+    q_t = torch.empty((n, m), dtype=dtype, device=device) if transpose else None
+    scale_inv = torch.empty(1, dtype=_F32, device=device)
+    spec = (x.dtype, aligned(x), int_spec(m), int_spec(n), int_spec(sm), int_spec(sn))
+    return q, q_t, scale_inv, spec
+
+
+def _tiles(x: torch.Tensor) -> Tuple[int, int]:
+    m, n = x.shape
+    return -(-m // _TILE_M), -(-n // _TILE_N)
+
+
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, index: int = 0,
                    amax_history: Optional[torch.Tensor] = None, data: bool = True,
                    transpose: bool = False):
@@ -210,18 +229,14 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     0, column ``index`` of an ``[L, n]`` history) ``max|x|`` is folded into. The
     caller (`quantize.py`) has checked devices, dtypes, contiguity and shapes.
     """
-    m, n = x.shape
-    q = torch.empty((m, n), dtype=dtype, device=x.device) if data else None
-    q_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    q, q_t, scale_inv, spec = _cast_operand(x, dtype, data, transpose)
     has_amax = amax_history is not None
-    sxm, sxn = x.stride()
-    key = (x.dtype, dtype, data, transpose, has_amax, aligned(x), aligned(scale),
-           has_amax and aligned(amax_history), int_spec(index), int_spec(m), int_spec(n),
-           int_spec(sxm), int_spec(sxn), _TILE_M, _TILE_N, _WARPS)
-    _launch_cast((-(-m // _TILE_M), -(-n // _TILE_N), 1), _WARPS, key,
+    key = (spec, dtype, data, transpose, has_amax, aligned(scale),
+           has_amax and aligned(amax_history), int_spec(index), _TILE_M, _TILE_N, _WARPS)
+    m, n = x.shape
+    _launch_cast((*_tiles(x), 1), _WARPS, key,
                  x, scale, q if data else scale_inv, q_t if transpose else scale_inv,
-                 amax_history if has_amax else scale_inv, scale_inv, index, m, n, sxm, sxn,
+                 amax_history if has_amax else scale_inv, scale_inv, index, m, n, *x.stride(),
                  _FP8_MAX[dtype], _TL_FP8[dtype], data, transpose, has_amax,
                  _TILE_M, _TILE_N)
     return q, q_t, scale_inv
@@ -234,28 +249,18 @@ def cast_pair(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, dtype: torc
     history (a GEMM's two forward operands, slots ``index_a`` and ``index_b``) in one
     launch, the same bits: ``((qa, qa_t or None, scale_inv_a), (qb, qb_t or None,
     scale_inv_b))``. The caller has checked what it checks for `cast_transpose`."""
-    ma, na = a.shape
-    mb, nb = b.shape
-    device = a.device
-    qa = torch.empty((ma, na), dtype=dtype, device=device)
-    qb = torch.empty((mb, nb), dtype=dtype, device=device)
-    qa_t = torch.empty((na, ma), dtype=dtype, device=device) if transpose_a else None
-    qb_t = torch.empty((nb, mb), dtype=dtype, device=device) if transpose_b else None
-    inv_a = torch.empty(1, dtype=_F32, device=device)
-    inv_b = torch.empty(1, dtype=_F32, device=device)
+    qa, qa_t, inv_a, spec_a = _cast_operand(a, dtype, True, transpose_a)
+    qb, qb_t, inv_b, spec_b = _cast_operand(b, dtype, True, transpose_b)
     has_amax = amax_history is not None
-    sam, san = a.stride()
-    sbm, sbn = b.stride()
-    key = (a.dtype, b.dtype, dtype, transpose_a, transpose_b, has_amax, aligned(a), aligned(b),
-           aligned(scale), has_amax and aligned(amax_history), int_spec(index_a),
-           int_spec(index_b), int_spec(ma), int_spec(na), int_spec(sam), int_spec(san),
-           int_spec(mb), int_spec(nb), int_spec(sbm), int_spec(sbn), _TILE_M, _TILE_N, _WARPS)
-    programs = (-(-ma // _TILE_M)) * (-(-na // _TILE_N)) + (-(-mb // _TILE_M)) * (-(-nb // _TILE_N))
-    _launch_cast_pair((programs, 1, 1), _WARPS, key, a, b, scale, qa,
+    key = (spec_a, spec_b, dtype, transpose_a, transpose_b, has_amax, aligned(scale),
+           has_amax and aligned(amax_history), int_spec(index_a), int_spec(index_b),
+           _TILE_M, _TILE_N, _WARPS)
+    (tam, tan), (tbm, tbn) = _tiles(a), _tiles(b)
+    _launch_cast_pair((tam * tan + tbm * tbn, 1, 1), _WARPS, key, a, b, scale, qa,
                       qa_t if transpose_a else qa, qb, qb_t if transpose_b else qb,
                       amax_history if has_amax else inv_a, inv_a, inv_b, index_a, index_b,
-                      ma, na, sam, san, mb, nb, sbm, sbn, _FP8_MAX[dtype], _TL_FP8[dtype],
-                      transpose_a, transpose_b, has_amax, _TILE_M, _TILE_N)
+                      *a.shape, *a.stride(), *b.shape, *b.stride(), _FP8_MAX[dtype],
+                      _TL_FP8[dtype], transpose_a, transpose_b, has_amax, _TILE_M, _TILE_N)
     return (qa, qa_t, inv_a), (qb, qb_t, inv_b)
 
 
