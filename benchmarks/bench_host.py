@@ -28,6 +28,9 @@ side by side: each round runs this script once for PATH and once for this tree i
 fresh processes, alternating, and the table shows both. ``--te-root PATH`` imports
 the package from PATH (what ``--baseline`` uses). ``--profile`` prints a cProfile of
 the delayed-scaling steps (Python functions by own time) and the ops by count.
+``--parts`` also times, per call, the pieces of one FP8 ``te.Linear`` forward of the same
+size (the prologue, the input and weight cast, the FP8 GEMM, an empty autograd Function,
+one allocation) next to the whole forward and ``torch.nn.Linear``'s.
 
 The table is printed last; the JSON (card or CPU model, versions, shapes, medians,
 op counts, command) goes to ``--out`` (default ``benchmarks/results``).
@@ -162,6 +165,69 @@ def python_profile(step: Step, steps: int, top: int) -> list:
              "cum_us_per_step": round(r[1], 2)} for r in rows[:top]]
 
 
+class _Identity(torch.autograd.Function):
+    """An autograd Function that does nothing: the floor of a Python Function's call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, settings):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def _per_call_us(fn, calls: int, device) -> float:
+    """Median over 5 rounds of the host time per call (us); the queue drained between."""
+    for _ in range(max(calls // 10, 10)):
+        fn()
+    rounds = []
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def forward_parts(args, device, dtype) -> dict:
+    """Host time per call of the pieces of one small FP8 te.Linear forward (delayed
+    scaling, in an open autocast, input requiring grad) next to the whole forward and
+    torch.nn.Linear's: where a forward's host time goes."""
+    from transformer_engine.pytorch import quantize
+    from transformer_engine.pytorch.module import linear as te_linear
+    torch.manual_seed(0)
+    n, tokens = args.features, args.tokens
+    layer = te.Linear(n, n, params_dtype=dtype, device=device)
+    reference = torch.nn.Linear(n, n, device=device, dtype=dtype)
+    x = torch.randn(tokens, n, device=device, dtype=dtype, requires_grad=True)
+    x_data, w, b = x.detach(), layer.weight.detach(), layer.bias.detach()
+    fp8 = torch.float8_e4m3fn
+    with te.autocast(recipe=DelayedScaling()):
+        layer(x)
+        state = layer.fp8_meta["scaling_fwd"]
+        pair = lambda transpose: quantize.cast_pair_unchecked(  # noqa: E731
+            x_data, w, state.scale, fp8, 0, state.amax_history, transpose, transpose)
+        (x8, _), (w8, _) = pair(False)
+
+        def prologue():
+            with layer.prepare_forward(x, None):
+                pass
+        parts = {
+            "torch.nn.Linear forward": lambda: reference(x),
+            "te.Linear forward": lambda: layer(x),
+            "prepare_forward (enter + exit)": prologue,
+            "input + weight cast, with transposes": lambda: pair(True),
+            "input + weight cast, no transposes": lambda: pair(False),
+            "FP8 GEMM with bias": lambda: te_linear._gemm(x8, w8, dtype, b, True),
+            "empty autograd Function apply": lambda: _Identity.apply(x, w, b, None),
+            "one torch.empty": lambda: torch.empty((tokens, n), dtype=fp8, device=device),
+        }
+        return {name: _per_call_us(fn, args.steps * 10, device) for name, fn in parts.items()}
+
+
 def measure(args) -> dict:
     """Time and count every variant in this process; returns the raw result."""
     device = torch.device(args.device)
@@ -182,6 +248,8 @@ def measure(args) -> dict:
               "ops": {v: dict(sorted(c.items(), key=lambda kv: -kv[1])) for v, c in ops.items()}}
     if args.profile and "te_delayed" in steps:
         result["profile_te_delayed"] = python_profile(steps["te_delayed"], args.steps, args.top)
+    if args.parts:
+        result["forward_parts_us"] = forward_parts(args, device, dtype)
     return result
 
 
@@ -208,13 +276,14 @@ def _child_argv(args, root: str, rounds: int, path: str) -> list:
     argv = [sys.executable, os.path.abspath(__file__)]
     for name, value in options.items():
         argv += [name, str(value)]
-    return argv + ["--variants", *args.variants]
+    return argv + (["--parts"] if args.parts else []) + ["--variants", *args.variants]
 
 
 def compare(args) -> dict:
     """Alternate fresh processes for the baseline checkout and this one."""
     roots = {"baseline": os.path.abspath(args.baseline), "this": _ROOT}
-    raws = {k: {"times_us": collections.defaultdict(list), "ops": None} for k in roots}
+    raws = {k: {"times_us": collections.defaultdict(list), "ops": None,
+                "parts": collections.defaultdict(list)} for k in roots}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "raw.json")
         for r in range(args.rounds):
@@ -225,8 +294,15 @@ def compare(args) -> dict:
                 for v, t in raw["times_us"].items():
                     raws[key]["times_us"][v] += t
                 raws[key]["ops"] = raw["ops"]
+                if "forward_parts_us" in raw:
+                    for name, us in raw["forward_parts_us"].items():
+                        raws[key]["parts"][name].append(us)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-    return {k: {"times_us": dict(v["times_us"]), "ops": v["ops"]} for k, v in raws.items()}
+    out = {k: {"times_us": dict(v["times_us"]), "ops": v["ops"]} for k, v in raws.items()}
+    for k, v in raws.items():
+        if v["parts"]:          # the median over rounds of each piece
+            out[k]["forward_parts_us"] = {n: statistics.median(us) for n, us in v["parts"].items()}
+    return out
 
 
 def print_table(summaries: dict) -> None:
@@ -257,6 +333,8 @@ def main(argv=None):
     p.add_argument("--raw-json", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--parts", action="store_true",
+                   help="also time the pieces of one te.Linear forward (host us per call)")
     p.add_argument("--name", default="bench_host")
     p.add_argument("--out", default=os.path.join(_BENCH, "results"))
     args = p.parse_args(argv)
@@ -286,6 +364,11 @@ def main(argv=None):
     if args.baseline:
         result["baseline_root"] = os.path.abspath(args.baseline)
     for k, raw in raws.items():
+        if "forward_parts_us" in raw:
+            result[f"forward_parts_us_{k}"] = raw["forward_parts_us"]
+            print(f"\nhost us per call, pieces of one te.Linear forward ({k}):")
+            for name, us in raw["forward_parts_us"].items():
+                print(f"  {us:8.1f}  {name}")
         if "profile_te_delayed" in raw:
             result[f"profile_te_delayed_{k}"] = raw["profile_te_delayed"]
             print(f"\ncProfile of te_delayed ({k}), per step, by own time:")
