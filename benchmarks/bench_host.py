@@ -30,7 +30,8 @@ the package from PATH (what ``--baseline`` uses). ``--profile`` prints a cProfil
 the delayed-scaling steps (Python functions by own time) and the ops by count.
 ``--parts`` also times, per call, the pieces of one FP8 ``te.Linear`` forward of the same
 size (the prologue, the input and weight cast, the FP8 GEMM, an empty autograd Function,
-one allocation) next to the whole forward and ``torch.nn.Linear``'s.
+one allocation) next to the whole forward and ``torch.nn.Linear``'s; with ``--baseline``
+it calls the baseline's private cast and GEMM functions, so both trees need them.
 
 The table is printed last; the JSON (card or CPU model, versions, shapes, medians,
 op counts, command) goes to ``--out`` (default ``benchmarks/results``).
