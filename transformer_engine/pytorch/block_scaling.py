@@ -27,7 +27,7 @@ NOTE [Block scaling layout]
     amax, with the role's `QParams` (TE's default here: power-of-2 scales, no epsilon).
     No state and no history: a recompute casts the same values to the same bits, so
     activation recompute needs no stash. On CUDA the cast is one Triton pass
-    (`triton_kernels.block_cast`; the columnwise 1D copy reads a transposed view),
+    (`kernels.casts.block_cast`; the columnwise 1D copy reads a transposed view),
     elsewhere (and with ``NVTE_FUSED_FP8_KERNELS=0``) torch ops: the same bits.
 
     The GEMM runs on Hopper GPUs through ``torch._scaled_mm``'s blockwise scales (x and

@@ -1,25 +1,18 @@
-"""Triton kernels for FP8 on CUDA: the cast (one pass over a tensor that records its
-amax, casts it to FP8 with a given scale and writes the row-major and/or the
-transposed FP8 copy), the amax, the in-place delayed-scaling update of many
+"""Triton kernels for FP8 casts on CUDA: the cast (one pass over a tensor that records
+its amax, casts it to FP8 with a given scale and writes the row-major and/or the
+transposed FP8 copy), the current-scaling cast (amax, scale and cast in two launches,
+no host synchronisation), the amax, the in-place delayed-scaling update of many
 modules' states in one launch, and the block-scaled cast of Float8BlockScaling (one
 pass: block amaxes, scales as `quantize.current_scale`, FP8 values; NOTE [Block
 scaling layout] in block_scaling.py).
 
 Imported lazily by `quantize.py`, only for CUDA tensors and only when Triton
-imports; the CPU path never loads this file. The kernels compute exactly what the
-torch reference path in `quantize.py` computes (bit for bit):
+imports; the CPU path never loads this package. The kernels compute exactly what the
+torch reference path in `quantize.py` computes (bit for bit; NOTE [FP8 cast formula]
+in common.py), and ``scale_inv = 1 / scale`` with IEEE rounding (``div_rn``), written by
+one program, as ``torch.reciprocal`` does.
 
-- amax: ``max|x|`` before scaling, as float32. It is reduced on the float32 *bit
-  patterns* with the sign bit cleared: for non-negative floats integer order is
-  float order and every NaN sorts above +inf, so a NaN propagates as torch's
-  ``amax`` does, and the fold into the history slot is an integer ``atomic_max``
-  (the slot holds a non-negative float or NaN, never a negative value).
-- cast: ``fp8(clamp(float32(x) * scale, -max, max))`` with round-to-nearest-even,
-  NaN kept (the clamp propagates NaN like ``torch.clamp``).
-- ``scale_inv = 1 / scale`` with IEEE rounding (``div_rn``), written by one program
-  into a fresh tensor, as ``torch.reciprocal`` does.
-
-Launches go through `triton_launch.py` (NOTE [Launch overhead]).
+Launches go through `launch.py` (NOTE [Launch overhead]).
 """
 
 from __future__ import annotations
@@ -28,33 +21,30 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-try:
+from .common import (AVAILABLE, F32 as _F32, FP32_MAX as _FP32_MAX, FP8_MAX as _FP8_MAX,
+                     cast_outputs)
+from .launch import (DIRECT_LAUNCH_TRITON_VERSIONS, Launcher, aligned,
+                     direct_launch_supported, int_spec)
+
+if AVAILABLE:
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is missing
-    triton = None
-    tl = None
 
-from .triton_launch import (DIRECT_LAUNCH_TRITON_VERSIONS, Launcher, aligned,
-                            direct_launch_supported, int_spec)
+    from .common import (TL_FP8 as _TL_FP8, abs_bits, current_scale, fold_amax, max_nan,
+                         saturate, tile_amax_bits, to_fp8)
 
-AVAILABLE = triton is not None
-
-__all__ = ["AVAILABLE", "cast_transpose", "cast_pair", "amax", "delayed_update_", "block_cast",
-           "transpose", "direct_launch_supported", "DIRECT_LAUNCH_TRITON_VERSIONS"]
+__all__ = ["AVAILABLE", "cast_transpose", "cast_pair", "current_cast", "amax", "delayed_update_",
+           "block_cast", "transpose", "direct_launch_supported", "DIRECT_LAUNCH_TRITON_VERSIONS"]
 
 # One tile per program. Picked by timing on an H200 (benchmarks/bench_linear.py --tune).
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
 _AMAX_BLOCK, _AMAX_WARPS = 4096, 8
 _UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 256, 16
-_F32 = torch.float32
-_FP32_MAX = torch.finfo(torch.float32).max
-_FP8_MAX = {torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
-            torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}
+# Current scaling: at most this many programs per launch, each looping over tiles, so
+# that every program of the cast can reduce all partial amaxes cheaply.
+_CURRENT_PROGRAMS = 512
 
 if AVAILABLE:
-    _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
-
     @triton.jit
     def _cast_tile(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, scale_inv_ptr, index,
                    M, N, stride_xm, stride_xn, pid_m, pid_n,
@@ -72,12 +62,10 @@ if AVAILABLE:
                     mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + index)
         if WRITE_AMAX:
-            bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)) + index,
-                          tl.max(tl.max(bits, axis=1), axis=0))
-        y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            fold_amax(amax_ptr, index, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
         if WRITE_Q:
-            tl.store(q_ptr + rm64[:, None] * N + rn64[None, :], y.to(OUT_DTYPE), mask=mask)
+            tl.store(q_ptr + rm64[:, None] * N + rn64[None, :],
+                     to_fp8(saturate(x, scale, FP8_MAX), OUT_DTYPE), mask=mask)
         if WRITE_QT:
             # The transposed tile is loaded again in transposed order (a hit in L2) and
             # cast the same way, rather than transposed in registers: on an H200 with
@@ -85,8 +73,8 @@ if AVAILABLE:
             mask_t = (rn[:, None] < N) & (rm[None, :] < M)
             xt = tl.load(x_ptr + rn64[:, None] * stride_xn + rm64[None, :] * stride_xm,
                          mask=mask_t, other=0.0).to(tl.float32)
-            yt = tl.clamp(xt * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(qt_ptr + rn64[:, None] * M + rm64[None, :], yt.to(OUT_DTYPE), mask=mask_t)
+            tl.store(qt_ptr + rn64[:, None] * M + rm64[None, :],
+                     to_fp8(saturate(xt, scale, FP8_MAX), OUT_DTYPE), mask=mask_t)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))   # IEEE-rounded
 
@@ -125,11 +113,6 @@ if AVAILABLE:
                        FP8_MAX, OUT_DTYPE, True, WRITE_QTB, WRITE_AMAX, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _max_nan(a, b):
-        """max that propagates NaN, as torch.amax does."""
-        return tl.where((a > b) | (a != a), a, b)
-
-    @triton.jit
     def _delayed_update_kernel(table_ptr, count_ptr, max_value, margin_factor,
                                L: tl.constexpr, ALGO_MAX: tl.constexpr, COUNT: tl.constexpr,
                                BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -160,7 +143,7 @@ if AVAILABLE:
             offs = rows[:, None] * n + cols[None, :]
             h = tl.load(hist_ptr + offs, mask=m, other=0.0)
             if ALGO_MAX:
-                amax = _max_nan(amax, tl.reduce(h, 0, _max_nan))
+                amax = max_nan(amax, tl.reduce(h, 0, max_nan))
             tl.debug_barrier()
             tl.store(hist_ptr + offs - n, h, mask=m)
         tl.debug_barrier()
@@ -181,8 +164,7 @@ if AVAILABLE:
     def _amax_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        tl.atomic_max(out_ptr, tl.max(bits, axis=0))
+        tl.atomic_max(out_ptr, tl.max(abs_bits(x), axis=0))
 
 
 if AVAILABLE:
@@ -206,10 +188,7 @@ def _cast_operand(x: torch.Tensor, dtype: torch.dtype, data: bool, transpose: bo
     overhead]): its dtype, alignment, and its shape's and strides' specializations."""
     m, n = x.shape
     sm, sn = x.stride()
-    device = x.device
-    q = torch.empty((m, n), dtype=dtype, device=device) if data else None
-    q_t = torch.empty((n, m), dtype=dtype, device=device) if transpose else None
-    scale_inv = torch.empty(1, dtype=_F32, device=device)
+    q, q_t, scale_inv, _ = cast_outputs(m, n, dtype, x.device, data, transpose)
     spec = (x.dtype, aligned(x), int_spec(m), int_spec(n), int_spec(sm), int_spec(sn))
     return q, q_t, scale_inv, spec
 
@@ -262,6 +241,124 @@ def cast_pair(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, dtype: torc
                       *a.shape, *a.stride(), *b.shape, *b.stride(), _FP8_MAX[dtype],
                       _TL_FP8[dtype], transpose_a, transpose_b, has_amax, _TILE_M, _TILE_N)
     return (qa, qa_t, inv_a), (qb, qb_t, inv_b)
+
+
+if AVAILABLE:
+    @triton.jit
+    def _partial_amax_kernel(x_ptr, partial_ptr, M, N, stride_xm, stride_xn, tiles_n, tiles,
+                             programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Launch 1 of a current-scaling cast: program p folds tiles p, p + P, ... of
+        # x [M, N] into partial[p], the int32 `abs_bits` maximum (no zeroed buffer to
+        # prepare, nothing atomic: the cast reduces the P partials).
+        pid = tl.program_id(0)
+        best = tl.full([], 0, tl.int32)
+        for t0 in range(0, tiles, programs):
+            t = t0 + pid                # past the last tile: all masked out
+            rm = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+                        + rn.to(tl.int64)[None, :] * stride_xn, mask=mask, other=0.0)
+            best = tl.maximum(best, tile_amax_bits(x.to(tl.float32), mask))
+        tl.store(partial_ptr.to(tl.pointer_type(tl.int32)) + pid, best)
+
+    @triton.jit
+    def reduce_partials(partial_ptr, partials, BLOCK_P: tl.constexpr):
+        """The float32 amax of ``partials`` int32 `abs_bits` partial maxima."""
+        offs = tl.arange(0, BLOCK_P)
+        bits = tl.load(partial_ptr.to(tl.pointer_type(tl.int32)) + offs, mask=offs < partials,
+                       other=0)
+        return tl.max(bits, axis=0).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
+                             amax_epsilon, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr,
+                             POW2: tl.constexpr, COUNT: tl.constexpr, FP32_MAX: tl.constexpr,
+                             BLOCK_P: tl.constexpr):
+        """The scale of a current-scaling cast from the partial amaxes of its first
+        launch; program 0 writes ``scale_inv`` and counts a non-finite amax."""
+        amax = reduce_partials(partial_ptr, partials, BLOCK_P)
+        scale = current_scale(amax, amax_epsilon, FP8_MAX, EPSILON, POW2, FP32_MAX)
+        if tl.program_id(0) == 0:
+            tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
+            if COUNT:
+                tl.atomic_add(non_finite_ptr, ((amax > FP32_MAX) | (amax != amax)).to(tl.int32))
+        return scale
+
+    @triton.jit
+    def _current_cast_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, partials, scale_inv_ptr,
+                             non_finite_ptr, amax_epsilon, M, N, stride_xm, stride_xn,
+                             tiles_n, tiles,
+                             FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                             WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                             EPSILON: tl.constexpr, POW2: tl.constexpr, COUNT: tl.constexpr,
+                             FP32_MAX: tl.constexpr, BLOCK_P: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Launch 2, with as many programs as launch 1 had (``partials``): every program
+        # reduces the partials to the amax and the scale (`quantize.current_scale`),
+        # then casts tiles p, p + P, ... as `_cast_tile` does.
+        scale = finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
+                                     amax_epsilon, FP8_MAX, EPSILON, POW2, COUNT, FP32_MAX,
+                                     BLOCK_P)
+        for t0 in range(0, tiles, partials):
+            t = t0 + tl.program_id(0)   # past the last tile: all masked out
+            rm = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            rm64 = rm.to(tl.int64)
+            rn64 = rn.to(tl.int64)
+            if WRITE_Q:
+                mask = (rm[:, None] < M) & (rn[None, :] < N)
+                x = tl.load(x_ptr + rm64[:, None] * stride_xm + rn64[None, :] * stride_xn,
+                            mask=mask, other=0.0).to(tl.float32)
+                tl.store(q_ptr + rm64[:, None] * N + rn64[None, :],
+                         to_fp8(saturate(x, scale, FP8_MAX), OUT_DTYPE), mask=mask)
+            if WRITE_QT:        # loaded in transposed order, as in _cast_tile
+                mask_t = (rn[:, None] < N) & (rm[None, :] < M)
+                xt = tl.load(x_ptr + rn64[:, None] * stride_xn + rm64[None, :] * stride_xm,
+                             mask=mask_t, other=0.0).to(tl.float32)
+                tl.store(qt_ptr + rn64[:, None] * M + rm64[None, :],
+                         to_fp8(saturate(xt, scale, FP8_MAX), OUT_DTYPE), mask=mask_t)
+
+    _launch_partial_amax = Launcher(_partial_amax_kernel)
+    _launch_current_cast = Launcher(_current_cast_kernel)
+
+
+def current_programs(tiles: int) -> int:
+    """Programs of each launch of a current-scaling cast over ``tiles`` tiles."""
+    return min(tiles, _CURRENT_PROGRAMS)
+
+
+def current_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool, amax_epsilon: float,
+                 non_finite: Optional[torch.Tensor], data: bool = True,
+                 transpose: bool = False):
+    """Current-scaling cast of a non-empty 2-D CUDA tensor ``x [M, N]`` (any strides):
+    ``(q or None, q_t or None, scale_inv [1])``, the bits of `quantize.amax`, then
+    `quantize.current_scale` (``non_finite``, an int32 scalar, counts a NaN or
+    infinite amax), then the cast. Two launches (partial amaxes; scale and cast), no
+    host synchronisation; the outputs and the partials share one allocation
+    (`cast_outputs`)."""
+    m, n = x.shape
+    sm, sn = x.stride()
+    tiles_m, tiles_n = _tiles(x)
+    tiles = tiles_m * tiles_n
+    programs = current_programs(tiles)
+    q, q_t, scale_inv, partial = cast_outputs(m, n, dtype, x.device, data, transpose,
+                                              scratch=programs)
+    spec = (x.dtype, aligned(x), int_spec(m), int_spec(n), int_spec(sm), int_spec(sn),
+            int_spec(tiles_n), int_spec(tiles), int_spec(programs))
+    _launch_partial_amax((programs, 1, 1), _WARPS, (spec, _TILE_M, _TILE_N, _WARPS),
+                         x, partial, m, n, sm, sn, tiles_n, tiles, programs, _TILE_M, _TILE_N)
+    count = non_finite is not None
+    epsilon = amax_epsilon > 0
+    block_p = triton.next_power_of_2(programs)
+    key = (spec, dtype, data, transpose, epsilon, power_2_scale, count,
+           count and aligned(non_finite), block_p, _TILE_M, _TILE_N, _WARPS)
+    _launch_current_cast((programs, 1, 1), _WARPS, key, x, q if data else scale_inv,
+                         q_t if transpose else scale_inv, partial, programs, scale_inv,
+                         non_finite if count else scale_inv, float(amax_epsilon), m, n, sm, sn,
+                         tiles_n, tiles, _FP8_MAX[dtype], _TL_FP8[dtype], data, transpose,
+                         epsilon, power_2_scale, count, _FP32_MAX, block_p, _TILE_M, _TILE_N)
+    return q, q_t, scale_inv
 
 
 # Device tables of state addresses, keyed by those addresses (the table is a function
@@ -329,9 +426,9 @@ if AVAILABLE:
         mask = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_ptr + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask,
                     other=0.0).to(tl.float32)
-        block_amax = tl.reduce(tl.abs(x), 1, _max_nan)                 # [ROWS]
+        block_amax = tl.reduce(tl.abs(x), 1, max_nan)                 # [ROWS]
         if TILE:
-            block_amax = tl.reduce(block_amax, 0, _max_nan)            # one for the tile
+            block_amax = tl.reduce(block_amax, 0, max_nan)            # one for the tile
         # quantize.current_scale, value for value
         finite = block_amax <= FP32_MAX                                # NaN and inf fail
         a = block_amax
@@ -346,7 +443,7 @@ if AVAILABLE:
         else:
             y = x * scale[:, None]
         y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + r64[:, None] * C + c64[None, :], y.to(OUT_DTYPE), mask=mask)
+        tl.store(q_ptr + r64[:, None] * C + c64[None, :], to_fp8(y, OUT_DTYPE), mask=mask)
         if TILE:
             tl.store(scale_inv_ptr + pid_r * col_blocks + pid_c, tl.div_rn(1.0, scale))
             tl.store(amax_ptr + pid_r * col_blocks + pid_c, block_amax)

@@ -1,4 +1,4 @@
-"""How the Triton kernels of `triton_kernels.py` are launched: straight through the
+"""How the Triton kernels of this package are launched: straight through the
 compiled kernel's launcher once a specialization has been compiled.
 
 NOTE [Launch overhead]
@@ -17,17 +17,20 @@ NOTE [Launch overhead]
     launch hook registered (a profiler's), or with ``KernelConfig.direct_launch`` off,
     every launch goes through the JIT. On an H200 machine this took a ``te.Linear``
     step at 256^3 from 1285 to 795 us of host time (benchmarks/bench_linear.py).
+    Under the Triton interpreter (``TRITON_INTERPRET=1``, tests without a GPU) every
+    launch goes through the JIT too.
 
-Imported only by `triton_kernels.py`, so only where Triton imports.
+Imported only by the kernel files of this package, so only where Triton imports.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from .kernel_config import get_kernel_config
+from ..kernel_config import get_kernel_config
 
 try:
     import triton
@@ -39,7 +42,7 @@ except ImportError:  # pragma: no cover - older Triton: every launch through the
     _knobs = None
 
 __all__ = ["Launcher", "int_spec", "aligned", "direct_launch_supported",
-           "DIRECT_LAUNCH_TRITON_VERSIONS"]
+           "DIRECT_LAUNCH_TRITON_VERSIONS", "INTERPRET"]
 
 _INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
@@ -59,8 +62,12 @@ def direct_launch_supported(version: Optional[str]) -> bool:
     return (major, minor) in DIRECT_LAUNCH_TRITON_VERSIONS
 
 
-_DIRECT_LAUNCH_OK = triton is not None and direct_launch_supported(
-    getattr(triton, "__version__", None))
+# The Triton interpreter runs kernels on CPU tensors with numpy (read when Triton is
+# imported, as Triton reads it).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+_DIRECT_LAUNCH_OK = (triton is not None and not INTERPRET
+                     and direct_launch_supported(getattr(triton, "__version__", None)))
 
 
 def int_spec(v: int) -> int:
@@ -92,22 +99,25 @@ class Launcher:
     alignment specializations of the runtime arguments) that its arguments can vary
     in. The first launch of a key goes through the JIT; later ones call the compiled
     kernel's launcher directly. Arguments are positional, constexprs included, in the
-    kernel's parameter order."""
+    kernel's parameter order. ``options`` are compile options passed on every JIT
+    launch (``enable_fp_fusion=False``: no multiply-add contraction but the explicit
+    ``tl.fma`` of a kernel, NOTE [Same arithmetic] in activations.py)."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, **options):
         self.kernel = kernel
+        self.options = {} if INTERPRET else options
         self.compiled: Dict[tuple, tuple] = {}
 
     def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:
         if not (_DIRECT_LAUNCH_OK and get_kernel_config().direct_launch):
-            self.kernel[grid](*args, num_warps=num_warps)
+            self.kernel[grid](*args, num_warps=num_warps, **self.options)
             return
         # Triton launches on the current device; CUDA is initialized by the time a
         # module casts on it, so torch.cuda.current_device()'s lazy-init check is skipped
         device = torch._C._cuda_getDevice()
         entry = self.compiled.get((device, key))
         if entry is None or _hooks_registered():
-            compiled = self.kernel[grid](*args, num_warps=num_warps)
+            compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
             if (entry is None and compiled is not None
                     and getattr(compiled, "function", None) is not None):
                 self.compiled[(device, key)] = (compiled.run, compiled.function,
