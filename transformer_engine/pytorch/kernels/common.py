@@ -14,7 +14,8 @@ NOTE [FP8 cast formula]
     float32 -> FP8 conversion is Triton's (the hardware's round-to-nearest-even); under
     the Triton interpreter, whose own FP8 conversion rounds ties away and mishandles
     subnormals, `to_fp8` computes the same bits with integer arithmetic instead (tested
-    against torch's conversion on every bfloat16 value and every tie).
+    against torch's conversion on every bfloat16 value and every tie), and `round_to`
+    rounds to bfloat16 (which the interpreter truncates).
 
 Imported only by the kernel files of this package, so only where Triton imports.
 """
@@ -85,6 +86,18 @@ if AVAILABLE:
 
     if INTERPRET:
         @triton.jit
+        def round_to(y, DTYPE: tl.constexpr):
+            """float32 -> ``DTYPE`` (float32, bfloat16, float16), round to nearest even
+            (the interpreter truncates to bfloat16: NOTE [FP8 cast formula])."""
+            if DTYPE == tl.bfloat16:
+                bits = y.to(tl.int32, bitcast=True)
+                r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                r = tl.where(y != y, (bits >> 16) | 0x40, r)         # NaN stays NaN
+                return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                return y.to(DTYPE)
+
+        @triton.jit
         def to_fp8(y, OUT_DTYPE: tl.constexpr):
             """float32 -> FP8, round to nearest even, for ``|y| <= max`` or NaN (the
             clamp has run), in integer arithmetic (NOTE [FP8 cast formula])."""
@@ -106,6 +119,11 @@ if AVAILABLE:
             mag = tl.where(a > 0x7F800000, 0x7F, mag)
             return ((sign << 7) | mag).to(tl.uint8).to(OUT_DTYPE, bitcast=True)
     else:
+        @triton.jit
+        def round_to(y, DTYPE: tl.constexpr):
+            """float32 -> ``DTYPE`` (float32, bfloat16, float16), round to nearest even."""
+            return y.to(DTYPE)
+
         @triton.jit
         def to_fp8(y, OUT_DTYPE: tl.constexpr):
             """float32 -> FP8, round to nearest even (NOTE [FP8 cast formula])."""

@@ -20,7 +20,7 @@ from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_po
                      reject_unsupported)
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
-from .fp8_operands import cast_operand, forward_operands
+from .fp8_operands import cast_operand, fp8_weight, forward_operands
 from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
@@ -66,12 +66,14 @@ class _LinearCall:
     """The non-tensor arguments of one `_FP8LinearFunction` call, as one argument
     (autograd's ``apply`` inspects every argument: fewer is cheaper on the host)."""
 
-    __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad")
+    __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad", "input_fp8",
+                 "grad_handoff")
 
     def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
-                 fuse_wgrad: bool):
+                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None):
         self.plan, self.fp8_meta, self.gemm = plan, fp8_meta, gemm
         self.out_dtype, self.fuse_wgrad = out_dtype, fuse_wgrad
+        self.input_fp8, self.grad_handoff = input_fp8, grad_handoff
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -80,7 +82,10 @@ class _FP8LinearFunction(torch.autograd.Function):
     The forward casts also produce the transposed FP8 copies the backward GEMMs take
     (``W^T`` for dgrad, ``x^T`` for wgrad; on CUDA in the cast's own pass, NOTE [Fused
     casts]) and save only those: FP8 copies, not the high-precision tensors, and
-    nothing to transpose in backward.
+    nothing to transpose in backward. With ``call.input_fp8`` the input's FP8 copies
+    come from its producer and ``x`` is only the autograd edge; with
+    ``call.grad_handoff`` the output gradient's FP8 copies and the bias gradient come
+    from the next layer's backward (NOTE [Fused producers] in fused_producers.py).
     """
 
     @staticmethod
@@ -92,9 +97,16 @@ class _FP8LinearFunction(torch.autograd.Function):
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with no_autocast(x.device.type):
-            (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state, i,
-                                                          gemm, fmt.dtype_fwd, need_wgrad,
-                                                          need_dgrad)
+            if call.input_fp8 is not None:
+                x_fp8, x_t = call.input_fp8
+                if need_wgrad and x_t is None:
+                    x_t = quantize.transpose_fp8(x_fp8)
+                w_fp8, w_t = fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
+                                        fmt.dtype_fwd, need_dgrad)
+            else:
+                (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state,
+                                                              i, gemm, fmt.dtype_fwd, need_wgrad,
+                                                              need_dgrad)
             y = _gemm(x_fp8, w_fp8, call.out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
         (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
@@ -104,6 +116,10 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.main_grad_weight = weight if call.fuse_wgrad else None
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.grad_handoff = call.grad_handoff
+        if call.grad_handoff is not None:
+            call.grad_handoff.needs = (need_dgrad, need_wgrad,
+                                       ctx.bias_dtype if ctx.needs_input_grad[2] else None)
         return y
 
     @staticmethod
@@ -114,11 +130,18 @@ class _FP8LinearFunction(torch.autograd.Function):
         state = ctx.fp8_meta["scaling_bwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.BWD_TENSORS_PER_GEMM * ctx.gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        handoff, handed = ctx.grad_handoff, None
+        if handoff is not None and handoff.grad is not None:
+            handed, handoff.grad = handoff.grad, None
         with no_autocast(dy.device.type):
-            dy = dy.contiguous()
-            # The amax of dy is recorded even when only dbias is needed.
-            dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
-                                 data=need_dgrad or not need_wgrad, transpose=need_wgrad)
+            if handed is not None:      # dy is the unwritten edge; its FP8 copies are here
+                dy_fp8, dy_t, handed_dbias = handed
+            else:
+                dy = dy.contiguous()
+                # The amax of dy is recorded even when only dbias is needed.
+                dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
+                                            data=need_dgrad or not need_wgrad,
+                                            transpose=need_wgrad)
             dgrad = wgrad = dbias = None
             if need_dgrad:
                 w_t = _restored(ctx.w_t_kind, w_t_data, w_t_scale_inv)
@@ -133,9 +156,11 @@ class _FP8LinearFunction(torch.autograd.Function):
                     wgrad = accumulate_into_main_grad(
                         ctx.main_grad_weight, _gemm(dy_t, x_t, torch.float32, fast_accum=fast))
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                # float32 accumulation (torch's for 16-bit sums too), rounded once
-                dbias = (dy.sum(0) if dy.dtype == ctx.bias_dtype
-                         else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
+                if handed is not None:
+                    dbias = handed_dbias
+                else:   # float32 accumulation (torch's for 16-bit sums too), rounded once
+                    dbias = (dy.sum(0) if dy.dtype == ctx.bias_dtype
+                             else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
         if plan.session is not None:
             request_backward_update(plan.session)
         return dgrad, wgrad, dbias, None
@@ -144,13 +169,15 @@ class _FP8LinearFunction(torch.autograd.Function):
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                plan: ForwardPlan, fp8_meta: dict, gemm: int = 0,
                fuse_wgrad_accumulation: bool = False, input_name: str = "input",
-               weight_name: str = "weight") -> torch.Tensor:
+               weight_name: str = "weight", input_fp8=None, grad_handoff=None) -> torch.Tensor:
     """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
     slots in the module's scaling state. ``fuse_wgrad_accumulation``: the wgrad goes
     into ``weight.main_grad`` (NOTE [Fused wgrad accumulation] in main_grad.py).
     ``input_name`` / ``weight_name`` name the tensors in a shape error (NOTE [FP8
-    shapes] in fp8_shapes.py)."""
+    shapes] in fp8_shapes.py). ``input_fp8`` / ``grad_handoff``: the input's FP8 copies
+    made by its producer, the output gradient's made by the next layer's backward
+    (FP8 only; NOTE [Fused producers] in fused_producers.py)."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
@@ -184,7 +211,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
     y = _FP8LinearFunction.apply(x2d, weight, bias,
                                  _LinearCall(plan, fp8_meta, gemm, out_dtype,
-                                             fuse_wgrad_accumulation))
+                                             fuse_wgrad_accumulation, input_fp8, grad_handoff))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
