@@ -35,7 +35,9 @@ _TILE_M, _TILE_N, _WARPS = 64, 64, 4
 _PROGRAMS = 512          # current scaling: programs per launch (each loops over tiles)
 
 if AVAILABLE:
-    @triton.jit
+    # rows and counts derived from them are not specialized on (one binary for every
+    # number of rows)
+    @triton.jit(do_not_specialize=["index", "partials", "M", "tiles", "programs"])
     def _act_cast_kernel(x_ptr, y_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, index, scale_inv_ptr,
                          partial_ptr, partials, non_finite_ptr, amax_epsilon,
                          M, F, stride_xm, tiles_f, tiles, programs,
@@ -90,14 +92,15 @@ if AVAILABLE:
         elif MODE == 1:
             tl.store(partial_ptr.to(tl.pointer_type(tl.int32)) + pid, best)
 
-    _launch = Launcher(_act_cast_kernel, enable_fp_fusion=False)
+    _launch = Launcher(_act_cast_kernel, enable_fp_fusion=False, enable_reflect_ftz=False)
 
 
 def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
              scale: Optional[torch.Tensor] = None, index: int = 0,
              amax_history: Optional[torch.Tensor] = None, power_2_scale: bool = False,
              amax_epsilon: float = 0.0, non_finite: Optional[torch.Tensor] = None,
-             write_y: bool = False, data: bool = True, transpose: bool = False):
+             write_y: bool = False, data: bool = True, transpose: bool = False,
+             separate: bool = False):
     """``act(x)`` of a contiguous 2-D ``x [M, W]`` (``W = F``, or ``2F`` for a gated
     activation) in ``x.dtype``, cast to FP8 ``dtype`` in the same pass. Returns ``(y
     [M, F] or None, q [M, F] or None, q_t [F, M] or None, scale_inv [1])``.
@@ -117,7 +120,8 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
     programs = tiles if delayed else min(tiles, _PROGRAMS)
     y = torch.empty((m, f), dtype=x.dtype, device=device) if write_y else None
     q, q_t, scale_inv, partial = cast_outputs(m, f, dtype, device, data, transpose,
-                                              scratch=0 if delayed else programs)
+                                              scratch=0 if delayed else programs,
+                                              separate=separate)
     if m == 0 or f == 0:
         if delayed:
             torch.reciprocal(scale[index:index + 1], out=scale_inv)
@@ -129,10 +133,9 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
     epsilon = amax_epsilon > 0
     block_p = triton.next_power_of_2(programs)
     dummy = scale_inv
-    spec = (x.dtype, dtype, code, gated, aligned(x), int_spec(m), int_spec(f),
-            int_spec(x.stride(0)), int_spec(tiles_f), int_spec(tiles), int_spec(programs),
-            data, transpose, epsilon, power_2_scale, count, has_amax,
-            delayed and aligned(scale), has_amax and aligned(amax_history), int_spec(index))
+    spec = (x.dtype, dtype, code, gated, aligned(x), int_spec(f), int_spec(x.stride(0)),
+            int_spec(tiles_f), data, transpose, epsilon, power_2_scale, count, has_amax,
+            delayed and aligned(scale), has_amax and aligned(amax_history))
     common = (x, y if write_y else dummy, q if data else dummy, q_t if transpose else dummy,
               scale if delayed else dummy, amax_history if has_amax else dummy, index,
               scale_inv, partial if not delayed else dummy, programs,

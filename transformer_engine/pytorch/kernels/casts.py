@@ -182,13 +182,15 @@ def _set_tiles(tile_m: int, tile_n: int, warps: int) -> Tuple[int, int, int]:
     return old
 
 
-def _cast_operand(x: torch.Tensor, dtype: torch.dtype, data: bool, transpose: bool):
+def _cast_operand(x: torch.Tensor, dtype: torch.dtype, data: bool, transpose: bool,
+                  separate: bool = False):
     """The outputs of casting a 2-D ``x`` (``q`` / ``q_t`` as asked for, a fresh
     ``scale_inv``) and the part of the launch key ``x`` decides (NOTE [Launch
     overhead]): its dtype, alignment, and its shape's and strides' specializations."""
     m, n = x.shape
     sm, sn = x.stride()
-    q, q_t, scale_inv, _ = cast_outputs(m, n, dtype, x.device, data, transpose)
+    q, q_t, scale_inv, _ = cast_outputs(m, n, dtype, x.device, data, transpose,
+                                        separate=separate)
     spec = (x.dtype, aligned(x), int_spec(m), int_spec(n), int_spec(sm), int_spec(sn))
     return q, q_t, scale_inv, spec
 
@@ -200,7 +202,7 @@ def _tiles(x: torch.Tensor) -> Tuple[int, int]:
 
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, index: int = 0,
                    amax_history: Optional[torch.Tensor] = None, data: bool = True,
-                   transpose: bool = False):
+                   transpose: bool = False, separate: bool = False):
     """Cast a 2-D CUDA tensor ``x [M, N]`` to FP8 with ``scale[index]`` in one pass.
     Returns ``(q [M, N] or None, q_t [N, M] or None, scale_inv [1])``.
 
@@ -208,7 +210,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, 
     0, column ``index`` of an ``[L, n]`` history) ``max|x|`` is folded into. The
     caller (`quantize.py`) has checked devices, dtypes, contiguity and shapes.
     """
-    q, q_t, scale_inv, spec = _cast_operand(x, dtype, data, transpose)
+    q, q_t, scale_inv, spec = _cast_operand(x, dtype, data, transpose, separate)
     has_amax = amax_history is not None
     key = (spec, dtype, data, transpose, has_amax, aligned(scale),
            has_amax and aligned(amax_history), int_spec(index), _TILE_M, _TILE_N, _WARPS)
@@ -330,7 +332,7 @@ def current_programs(tiles: int) -> int:
 
 def current_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool, amax_epsilon: float,
                  non_finite: Optional[torch.Tensor], data: bool = True,
-                 transpose: bool = False):
+                 transpose: bool = False, separate: bool = False):
     """Current-scaling cast of a non-empty 2-D CUDA tensor ``x [M, N]`` (any strides):
     ``(q or None, q_t or None, scale_inv [1])``, the bits of `quantize.amax`, then
     `quantize.current_scale` (``non_finite``, an int32 scalar, counts a NaN or
@@ -343,7 +345,7 @@ def current_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool, amax_
     tiles = tiles_m * tiles_n
     programs = current_programs(tiles)
     q, q_t, scale_inv, partial = cast_outputs(m, n, dtype, x.device, data, transpose,
-                                              scratch=programs)
+                                              scratch=programs, separate=separate)
     spec = (x.dtype, aligned(x), int_spec(m), int_spec(n), int_spec(sm), int_spec(sn),
             int_spec(tiles_n), int_spec(tiles), int_spec(programs))
     _launch_partial_amax((programs, 1, 1), _WARPS, (spec, _TILE_M, _TILE_N, _WARPS),

@@ -141,7 +141,7 @@ def _align(nbytes: int) -> int:
 
 
 def cast_outputs(m: int, n: int, dtype: torch.dtype, device: torch.device, data: bool,
-                 transpose: bool, scratch: int = 0
+                 transpose: bool, scratch: int = 0, separate: bool = False
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
                             Optional[torch.Tensor]]:
     """The outputs of casting an ``[m, n]`` tensor: ``(q [m, n] or None, q_t [n, m] or
@@ -151,7 +151,13 @@ def cast_outputs(m: int, n: int, dtype: torch.dtype, device: torch.device, data:
     backward keeps: ``q_t`` when asked for (the module saves ``q_t`` and ``scale_inv``;
     the row-major ``q`` feeds the forward GEMM only, so it gets its own allocation and
     is freed after it, not kept alive by a shared one until the backward), else ``q``.
-    One allocation when one copy is asked for, two when both."""
+    One allocation when one copy is asked for, two when both. ``separate``: each its
+    own allocation (the custom ops of ops.py, whose outputs may not share storage)."""
+    if separate:
+        return (torch.empty((m, n), dtype=dtype, device=device) if data else None,
+                torch.empty((n, m), dtype=dtype, device=device) if transpose else None,
+                torch.empty(1, dtype=F32, device=device),
+                torch.empty(scratch, dtype=F32, device=device) if scratch else None)
     head = _align(4) + _align(4 * scratch)
     kept = m * n if (data or transpose) else 0
     buf = torch.empty(head + kept, dtype=torch.uint8, device=device)

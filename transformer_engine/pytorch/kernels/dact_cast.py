@@ -47,7 +47,9 @@ if AVAILABLE:
         if WRITE_QT:
             tl.store(qt_ptr + cols64[None, :] * M + rm64[:, None], q, mask=mask)
 
-    @triton.jit
+    # rows and counts derived from them are not specialized on (one binary for every
+    # number of rows)
+    @triton.jit(do_not_specialize=["index", "partials", "M", "groups"])
     def _dact_cast_kernel(x_ptr, dy_ptr, q_ptr, qt_ptr, dbias_ptr, scale_ptr, amax_ptr, index,
                           scale_inv_ptr, partial_ptr, partials, non_finite_ptr, amax_epsilon,
                           M, F, stride_xm, stride_dym, groups,
@@ -121,7 +123,7 @@ if AVAILABLE:
                 tl.store(partial_ptr.to(tl.pointer_type(tl.int32)) + g * tl.cdiv(F, BLOCK_N) + j,
                          best)
 
-    _launch = Launcher(_dact_cast_kernel, enable_fp_fusion=False)
+    _launch = Launcher(_dact_cast_kernel, enable_fp_fusion=False, enable_reflect_ftz=False)
 
 
 def row_groups(m: int, column_tiles: int) -> int:
@@ -135,7 +137,7 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
               amax_history: Optional[torch.Tensor] = None, power_2_scale: bool = False,
               amax_epsilon: float = 0.0, non_finite: Optional[torch.Tensor] = None,
               data: bool = True, transpose: bool = False,
-              dbias_dtype: Optional[torch.dtype] = None):
+              dbias_dtype: Optional[torch.dtype] = None, separate: bool = False):
     """The gradient ``dx [M, W]`` of ``act(x)`` for ``dy [M, F]`` (``W = F``, or ``2F``
     gated; both 2-D with unit column stride), in ``x.dtype``, cast to FP8 ``dtype``.
     Returns ``(q [M, W] or None, q_t [W, M] or None, scale_inv [1], dbias [W] or None)``;
@@ -150,7 +152,8 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
     groups = row_groups(m, tiles_f)
     partials = groups * tiles_f
     q, q_t, scale_inv, partial = cast_outputs(m, w, dtype, device, data, transpose,
-                                              scratch=0 if delayed else partials)
+                                              scratch=0 if delayed else partials,
+                                              separate=separate)
     want_dbias = dbias_dtype is not None
     if m == 0:
         if delayed:
@@ -165,10 +168,10 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
     epsilon = amax_epsilon > 0
     block_p = triton.next_power_of_2(partials)
     dummy = scale_inv
-    spec = (x.dtype, dy.dtype, dtype, code, gated, aligned(x), aligned(dy), int_spec(m),
-            int_spec(f), int_spec(x.stride(0)), int_spec(dy.stride(0)), int_spec(groups),
-            data, transpose, want_dbias, epsilon, power_2_scale, count, has_amax,
-            delayed and aligned(scale), has_amax and aligned(amax_history), int_spec(index))
+    spec = (x.dtype, dy.dtype, dtype, code, gated, aligned(x), aligned(dy), int_spec(f),
+            int_spec(x.stride(0)), int_spec(dy.stride(0)), data, transpose, want_dbias, epsilon,
+            power_2_scale, count, has_amax, delayed and aligned(scale),
+            has_amax and aligned(amax_history))
     common = (x, dy, q if data else dummy, q_t if transpose else dummy,
               sums if want_dbias else dummy, scale if delayed else dummy,
               amax_history if has_amax else dummy, index, scale_inv,

@@ -56,7 +56,9 @@ if AVAILABLE:
                 y = y + b[None, :]
         return y
 
-    @triton.jit
+    # rows and counts derived from them are not specialized on: one binary for every
+    # number of rows (fewer compilations; the row loop does not need them)
+    @triton.jit(do_not_specialize=["index", "partials", "M"])
     def _norm_cast_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, qt_ptr, mean_ptr, rstd_ptr,
                           scale_ptr, amax_ptr, index, scale_inv_ptr, partial_ptr, partials,
                           non_finite_ptr, amax_epsilon, M, N, stride_xm, eps,
@@ -74,7 +76,7 @@ if AVAILABLE:
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         r64 = rows.to(tl.int64)
-        n_f = N * 1.0
+        n_f = tl.zeros([BLOCK_M], dtype=tl.float32) + N     # N may be a constexpr 1
         if MODE == 0:
             scale = tl.load(scale_ptr + index)
             if pid == 0:
@@ -158,7 +160,8 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
               scale: Optional[torch.Tensor] = None, index: int = 0,
               amax_history: Optional[torch.Tensor] = None, power_2_scale: bool = False,
               amax_epsilon: float = 0.0, non_finite: Optional[torch.Tensor] = None,
-              write_y: bool = False, data: bool = True, transpose: bool = False):
+              write_y: bool = False, data: bool = True, transpose: bool = False,
+              separate: bool = False):
     """Normalize the rows of a 2-D ``x [M, N]`` (unit column stride) with ``weight [N]``
     (and ``bias [N]`` for LayerNorm), output in ``out_dtype``, cast to FP8 ``dtype`` in
     the same pass. ``normalization``: "LayerNorm" or "RMSNorm". Returns ``(y [M, N] or
@@ -172,7 +175,8 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     programs = -(-m // _BLOCK_M)
     y = torch.empty((m, n), dtype=out_dtype, device=device) if write_y else None
     q, q_t, scale_inv, partial = cast_outputs(m, n, dtype, device, data, transpose,
-                                              scratch=0 if delayed else programs)
+                                              scratch=0 if delayed else programs,
+                                              separate=separate)
     stats = torch.empty((1 if rms else 2, m, 1), dtype=F32, device=device)
     mean, rstd = (None, stats[0]) if rms else (stats[0], stats[1])
     if m == 0:
@@ -190,9 +194,8 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     dummy = scale_inv
     spec = (x.dtype, weight.dtype, has_bias and bias.dtype, out_dtype, dtype, rms,
             zero_centered_gamma, aligned(x), aligned(weight), has_bias and aligned(bias),
-            int_spec(m), int_spec(n), int_spec(x.stride(0)), data, transpose, epsilon,
-            power_2_scale, count, has_amax, delayed and aligned(scale),
-            has_amax and aligned(amax_history), int_spec(index), block_n)
+            int_spec(n), int_spec(x.stride(0)), data, transpose, epsilon, power_2_scale, count,
+            has_amax, delayed and aligned(scale), has_amax and aligned(amax_history), block_n)
     common = (x, weight, bias if has_bias else weight, y if write_y else dummy,
               q if data else dummy, q_t if transpose else dummy,
               mean if not rms else rstd, rstd, scale if delayed else dummy,

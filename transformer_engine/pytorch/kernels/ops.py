@@ -23,9 +23,8 @@ The ops, as ``torch.ops.transformer_engine.<name>``:
 
 A ``scale`` selects delayed scaling (with ``index`` and the optional ``amax_history``),
 its absence current scaling. An output that was not asked for is an empty tensor of
-the right dtype (ops cannot return None). Outputs never alias each other (an op's
-``scale_inv`` is its own one-element tensor, not a view into the FP8 data's
-allocation as in eager).
+the right dtype (ops cannot return None). Each output has its own allocation (in
+eager ``scale_inv`` and an FP8 copy share one; an op's outputs may not share storage).
 """
 
 from __future__ import annotations
@@ -84,8 +83,8 @@ def _define() -> None:
                           dtype: torch.dtype, data: bool, transpose: bool) -> Tuple[_T, _T, _T]:
         q, q_t, scale_inv = casts.cast_transpose(x, scale, dtype, index=index,
                                                  amax_history=amax_history, data=data,
-                                                 transpose=transpose)
-        return _out(q, x, dtype), _out(q_t, x, dtype), scale_inv.clone()
+                                                 transpose=transpose, separate=True)
+        return _out(q, x, dtype), _out(q_t, x, dtype), scale_inv
 
     @cast_transpose_op.register_fake
     def _(x, scale, amax_history, index, dtype, data, transpose):
@@ -96,8 +95,8 @@ def _define() -> None:
                         non_finite: Optional[_T], data: bool,
                         transpose: bool) -> Tuple[_T, _T, _T]:
         q, q_t, scale_inv = casts.current_cast(x, dtype, power_2_scale, amax_epsilon,
-                                               non_finite, data, transpose)
-        return _out(q, x, dtype), _out(q_t, x, dtype), scale_inv.clone()
+                                               non_finite, data, transpose, separate=True)
+        return _out(q, x, dtype), _out(q_t, x, dtype), scale_inv
 
     @current_cast_op.register_fake
     def _(x, dtype, power_2_scale, amax_epsilon, non_finite, data, transpose):
@@ -111,10 +110,10 @@ def _define() -> None:
                      write_y: bool, data: bool, transpose: bool) -> Tuple[_T, _T, _T, _T, _T]:
         y, q, q_t, scale_inv, stats = norm_cast.norm_cast(
             x, weight, bias, normalization, eps, zero_centered_gamma, out_dtype, dtype,
-            write_y=write_y, data=data, transpose=transpose,
+            write_y=write_y, data=data, transpose=transpose, separate=True,
             **_scaling(scale, index, amax_history, power_2_scale, amax_epsilon, non_finite))
-        return (_out(y, x, out_dtype), _out(q, x, dtype), _out(q_t, x, dtype),
-                scale_inv.clone(), stats)
+        return (_out(y, x, out_dtype), _out(q, x, dtype), _out(q_t, x, dtype), scale_inv,
+                stats)
 
     @norm_cast_op.register_fake
     def _(x, weight, bias, normalization, eps, zero_centered_gamma, out_dtype, dtype, scale,
@@ -133,9 +132,9 @@ def _define() -> None:
                     amax_epsilon: float, non_finite: Optional[_T], write_y: bool, data: bool,
                     transpose: bool) -> Tuple[_T, _T, _T, _T]:
         y, q, q_t, scale_inv = act_cast.act_cast(
-            x, activation, dtype, write_y=write_y, data=data, transpose=transpose,
+            x, activation, dtype, write_y=write_y, data=data, transpose=transpose, separate=True,
             **_scaling(scale, index, amax_history, power_2_scale, amax_epsilon, non_finite))
-        return _out(y, x, x.dtype), _out(q, x, dtype), _out(q_t, x, dtype), scale_inv.clone()
+        return _out(y, x, x.dtype), _out(q, x, dtype), _out(q_t, x, dtype), scale_inv
 
     @act_cast_op.register_fake
     def _(x, activation, dtype, scale, index, amax_history, power_2_scale, amax_epsilon,
@@ -152,10 +151,9 @@ def _define() -> None:
                      dbias: bool, dbias_dtype: torch.dtype) -> Tuple[_T, _T, _T, _T]:
         q, q_t, scale_inv, db = dact_cast.dact_cast(
             x, dy, activation, dtype, data=data, transpose=transpose,
-            dbias_dtype=dbias_dtype if dbias else None,
+            dbias_dtype=dbias_dtype if dbias else None, separate=True,
             **_scaling(scale, index, amax_history, power_2_scale, amax_epsilon, non_finite))
-        return (_out(q, x, dtype), _out(q_t, x, dtype), scale_inv.clone(),
-                _out(db, x, dbias_dtype))
+        return _out(q, x, dtype), _out(q_t, x, dtype), scale_inv, _out(db, x, dbias_dtype)
 
     @dact_cast_op.register_fake
     def _(x, dy, activation, dtype, scale, index, amax_history, power_2_scale, amax_epsilon,
