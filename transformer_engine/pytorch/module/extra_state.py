@@ -88,10 +88,18 @@ class ExtraStateTensor(torch.Tensor):
     def of(payload: torch.Tensor) -> "ExtraStateTensor":
         return payload.as_subclass(ExtraStateTensor)
 
-    def __reduce_ex__(self, protocol):
+    def plain(self) -> torch.Tensor:
+        """The same tensor as a plain ``torch.Tensor``."""
         with torch._C.DisableTorchFunctionSubclass():
-            plain = self.as_subclass(torch.Tensor)
-        return plain.__reduce_ex__(protocol)
+            return self.as_subclass(torch.Tensor)
+
+    def __reduce_ex__(self, protocol):
+        return self.plain().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = ExtraStateTensor.of(self.plain().clone())
+        return memo[id(self)]
 
     def __create_write_items__(self, fqn: str, obj):
         # DCP's protocol for objects that choose their own write items
@@ -226,7 +234,7 @@ def _payload_bytes(payload: torch.Tensor, layout: Layout) -> bytes:
         raise InvalidPayload("it is a tensor on the meta device (no data)")
     with torch._C.DisableTorchFunctionSubclass():
         plain = payload.as_subclass(torch.Tensor)
-    return plain.detach().cpu().contiguous().numpy().tobytes()
+        return plain.detach().cpu().contiguous().numpy().tobytes()
 
 
 def _read_te_layout(data, layout: Layout):

@@ -140,6 +140,7 @@ def _rebuild_tensor(reader: Reader, args) -> torch.Tensor:
     if offset + reach >= storage.numel:
         raise InvalidPayload(f"it rebuilds a tensor of size {size}, stride {stride}, offset "
                              f"{offset} from a storage of {storage.numel} elements (out of bounds)")
+    reader.budget.take_bytes(numel * storage.dtype.itemsize)
     base = torch.frombuffer(storage.data, dtype=storage.dtype, count=storage.numel)
     return base.as_strided(size, stride, offset).clone(memory_format=torch.contiguous_format)
 

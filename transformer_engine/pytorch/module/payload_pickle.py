@@ -171,6 +171,8 @@ class Reader:
 
     def grow(self, container, items) -> None:
         depth = max(self.depth.get(id(container), 1), self.seal(items) + 1)
+        if id(container) not in self.open:       # it was among the items
+            raise InvalidPayload("it places a value inside itself (a cycle)")
         if depth > MAX_DEPTH:
             raise InvalidPayload(f"it nests values more than {MAX_DEPTH} deep")
         self.depth[id(container)] = depth
