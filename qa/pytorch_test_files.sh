@@ -6,6 +6,7 @@ TESTS=(
     tests/pytorch/test_recipe_fields.py
     tests/pytorch/test_bad_input.py
     tests/pytorch/test_extra_state.py
+    tests/pytorch/test_extra_state_fuzz.py
     tests/pytorch/test_quantize.py
     tests/pytorch/test_block_scaling.py
     tests/pytorch/test_block_scaling_modules.py
@@ -49,4 +50,5 @@ TESTS=(
     tests/pytorch/distributed/test_tensor_parallel_modules.py
     tests/pytorch/distributed/test_tensor_parallel_layer.py
     tests/pytorch/distributed/test_distributed_checkpoint.py
+    tests/pytorch/distributed/test_dcp_fp8_state.py
 )
