@@ -7,6 +7,7 @@ TESTS=(
     tests/pytorch/test_bad_input.py
     tests/pytorch/test_extra_state.py
     tests/pytorch/test_extra_state_fuzz.py
+    tests/pytorch/test_checkpoint_files_doc.py
     tests/pytorch/test_quantize.py
     tests/pytorch/test_block_scaling.py
     tests/pytorch/test_block_scaling_modules.py
