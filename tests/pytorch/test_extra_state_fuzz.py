@@ -27,7 +27,7 @@ from pickle_ops import assemble, global_ops, ops
 
 CPU = "cpu"
 SEED = 20261205
-MUTATIONS = 6000
+MUTATIONS = 12000
 PER_PAYLOAD_S = 2.0          # generous: a loaded 2-core machine; a bomb takes minutes
 RSS_GROWTH_MB = 300          # a size bomb takes gigabytes
 FULL_CANARY_EVERY = 400

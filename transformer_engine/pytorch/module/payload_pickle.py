@@ -43,6 +43,7 @@ MAX_MEMO = 4_096            # memo entries
 MAX_STR_BYTES = 4_096       # one str (utf-8 bytes)
 MAX_INT_BYTES = 64          # one LONG1 / LONG4 integer
 MAX_ITEMS = 1_024           # items of one container or tuple
+MAX_GLOBAL_NAME = 512       # a GLOBAL's module or name (bytes)
 
 
 class InvalidPayload(ValueError):
@@ -435,7 +436,7 @@ class Reader:
         return ref
 
     def op_global(self):
-        line = bytes(self.data[self.pos:self.pos + 2 * MAX_STR_BYTES])
+        line = bytes(self.data[self.pos:self.pos + 2 * MAX_GLOBAL_NAME + 2])
         parts = line.split(b"\n", 2)
         if len(parts) < 3:
             raise corrupt("a GLOBAL is not two lines")
