@@ -41,16 +41,17 @@ class ClientTimeout(Exception):
     """A test that drives Megatron ran past its deadline."""
 
 
-def deadline(seconds: float, what: str):
-    """Arm a deadline for the running test: an exception ``seconds`` from now in the main
-    thread (SIGALRM), and a stack dump and process exit ``HARD_TIMEOUT_GRACE_S`` later;
-    returns the function that disarms both and restores the previous SIGALRM handler."""
+def deadline(seconds: float, what: str, grace: float = HARD_TIMEOUT_GRACE_S):
+    """Arm a deadline for the running test: a `ClientTimeout` ``seconds`` from now in the
+    main thread (SIGALRM), and a dump of every thread's stack and a process exit
+    ``grace`` seconds later; returns the function that disarms both and restores the
+    previous SIGALRM handler."""
     def expire(signum, frame):
         raise ClientTimeout(f"{what}: did not finish within {seconds} s (a hang in the client?)")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
-    faulthandler.dump_traceback_later(seconds + HARD_TIMEOUT_GRACE_S, exit=True, file=sys.stderr)
+    faulthandler.dump_traceback_later(seconds + grace, exit=True, file=sys.stderr)
 
     def disarm():
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -5,13 +5,19 @@ modules that runs on the CPU; the TE names it only references (fusible operation
 router kernels, the FP8-parameter all-gather helpers) refuse to be used, naming the
 feature. Training a GPT: test_megatron_gpt.py and test_megatron_moe.py."""
 
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 from packaging.version import Version
 
 import transformer_engine
 import transformer_engine.pytorch as te
-from megatron_helpers import needs_megatron
+from megatron_helpers import ClientTimeout, deadline, needs_megatron
 from transformer_engine.pytorch import ops, router
 from transformer_engine.pytorch.tensor import QuantizedTensor
 
@@ -46,6 +52,38 @@ def test_only_fp8_primary_weights_are_quantized_tensors():
         fp8_layer = te.LayerNormMLP(32, 64, device="cpu")
     assert [n for n, p in fp8_layer.named_parameters() if isinstance(p, QuantizedTensor)] == [
         "fc1_weight", "fc2_weight"]
+
+
+def test_client_deadline_turns_a_hang_into_a_failure():
+    """The deadline every Megatron test runs under raises in a wait that would never end
+    (a stalled worker or collective), and puts back the SIGALRM handler it found."""
+    import signal
+    before = signal.getsignal(signal.SIGALRM)
+    disarm = deadline(0.2, "a hung client")
+    try:
+        with pytest.raises(ClientTimeout, match=r"a hung client: did not finish within 0\.2 s"):
+            threading.Event().wait()
+    finally:
+        disarm()
+    assert signal.getsignal(signal.SIGALRM) is before
+
+
+def test_client_deadline_ends_a_process_stuck_outside_python():
+    """Where the deadline's exception cannot be raised (the main thread never returns to
+    Python: here SIGALRM is blocked), the process dumps its stacks and exits non-zero
+    after the grace period, so the test file fails instead of stalling CI."""
+    tests = Path(__file__).parent
+    script = ("import signal, time\n"
+              "from megatron_helpers import deadline\n"
+              "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])\n"
+              "deadline(0.2, 'stuck', grace=0.3)\n"
+              "time.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent.parent)]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode != 0
+    # the dump names where the main thread was stuck
+    assert "Timeout" in done.stderr and 'File "<string>", line 5' in done.stderr, done.stderr
 
 
 @needs_megatron
