@@ -45,6 +45,7 @@ TESTS=(
     tests/pytorch/test_package_identity.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py
+    tests/pytorch/test_megatron_gpt.py
     tests/pytorch/test_megatron_moe.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
