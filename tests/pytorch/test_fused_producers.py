@@ -180,11 +180,11 @@ def test_act_cast_is_the_unfused_activation_and_cast(activation, recipe, hp, sha
     _assert_fp8_equal(q_t, ref_qt.data, "transposed FP8 copy")
     assert torch.equal(scale_inv, ref_q.scale_inv)
     _assert_cast_state(recipe, scaling, ref_state, "act_cast")
-    # without the high-precision output: the same FP8 bits
-    _, q2, q2_t, _ = _kernels()[1].act_cast(x, activation, E4M3, transpose=True,
-                                            **_scaling(recipe))
-    _assert_fp8_equal(q2, q, "FP8 copy without the output")
-    _assert_fp8_equal(q2_t, q_t, "transposed copy without the output")
+    if hp == torch.bfloat16:    # without the high-precision output: the same FP8 bits
+        _, q2, q2_t, _ = _kernels()[1].act_cast(x, activation, E4M3, transpose=True,
+                                                **_scaling(recipe))
+        _assert_fp8_equal(q2, q, "FP8 copy without the output")
+        _assert_fp8_equal(q2_t, q_t, "transposed copy without the output")
 
 
 # ---- activation gradient + cast ----------------------------------------------------------
@@ -268,12 +268,12 @@ def test_norm_cast_output_bound_and_cast_bits(normalization, zero_centered, reci
     else:
         var64 = x64.pow(2).mean(-1)
     assert torch.allclose(rstd, (var64 + 1e-5).rsqrt(), rtol=1e-6, atol=0)
-    # without the high-precision output: the same FP8 bits
-    _, q2, q2_t, _, _ = _kernels()[0].norm_cast(
-        x, w, b, normalization, 1e-5, zero_centered, hp, E4M3, transpose=True,
-        **_scaling(recipe))
-    _assert_fp8_equal(q2, q, "FP8 copy without the output")
-    _assert_fp8_equal(q2_t, q_t, "transposed copy without the output")
+    if hp == torch.bfloat16:    # without the high-precision output: the same FP8 bits
+        _, q2, q2_t, _, _ = _kernels()[0].norm_cast(
+            x, w, b, normalization, 1e-5, zero_centered, hp, E4M3, transpose=True,
+            **_scaling(recipe))
+        _assert_fp8_equal(q2, q, "FP8 copy without the output")
+        _assert_fp8_equal(q2_t, q_t, "transposed copy without the output")
 
 
 @needs_kernels

@@ -46,6 +46,7 @@ NOTE [GEMM vocabulary]
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -69,6 +70,9 @@ _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ---- dispatch to the fused kernels (NOTE [Fused casts]) ---------------------------
 _kernels_module = None      # kernels.casts once loaded; False when Triton is missing
+# whether Triton's interpreter may run kernels on CPU tensors (read once: the CPU path
+# pays nothing for KernelConfig.interpret when it cannot apply)
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES):
@@ -76,8 +80,8 @@ def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES)
     should take the fused path, else None. CPU tensors take it only under
     ``KernelConfig.interpret`` (tests without a GPU)."""
     global _kernels_module
-    if not ((x.is_cuda or get_kernel_config().interpret) and x.dtype in dtypes
-            and x.numel() > 0 and get_kernel_config().fused):
+    if not ((x.is_cuda or (_INTERPRETER and get_kernel_config().interpret))
+            and x.dtype in dtypes and x.numel() > 0 and get_kernel_config().fused):
         return None
     if _kernels_module is None:
         try:

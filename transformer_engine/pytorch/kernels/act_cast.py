@@ -32,7 +32,7 @@ if AVAILABLE:
 __all__ = ["act_cast"]
 
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
-_PROGRAMS = 512          # current scaling: programs per launch (each loops over tiles)
+_PROGRAMS = 1024         # current scaling: programs per launch (each loops over tiles)
 
 if AVAILABLE:
     # rows and counts derived from them are not specialized on (one binary for every
@@ -134,8 +134,9 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
     block_p = triton.next_power_of_2(programs)
     dummy = scale_inv
     spec = (x.dtype, dtype, code, gated, aligned(x), int_spec(f), int_spec(x.stride(0)),
-            int_spec(tiles_f), data, transpose, epsilon, power_2_scale, count, has_amax,
-            delayed and aligned(scale), has_amax and aligned(amax_history))
+            int_spec(tiles_f), data, transpose, epsilon, power_2_scale, count,
+            count and aligned(non_finite), has_amax, delayed and aligned(scale),
+            has_amax and aligned(amax_history))
     common = (x, y if write_y else dummy, q if data else dummy, q_t if transpose else dummy,
               scale if delayed else dummy, amax_history if has_amax else dummy, index,
               scale_inv, partial if not delayed else dummy, programs,

@@ -42,7 +42,7 @@ _AMAX_BLOCK, _AMAX_WARPS = 4096, 8
 _UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 256, 16
 # Current scaling: at most this many programs per launch, each looping over tiles, so
 # that every program of the cast can reduce all partial amaxes cheaply.
-_CURRENT_PROGRAMS = 512
+_CURRENT_PROGRAMS = 1024
 
 if AVAILABLE:
     @triton.jit

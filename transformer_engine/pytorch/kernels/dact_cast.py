@@ -33,7 +33,7 @@ if AVAILABLE:
 __all__ = ["dact_cast"]
 
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
-_TARGET_PROGRAMS = 512      # enough programs to fill a GPU; fewer row groups, fewer sums
+_TARGET_PROGRAMS = 1024     # enough programs to fill a GPU; fewer row groups, fewer sums
 
 
 if AVAILABLE:
@@ -170,8 +170,8 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
     dummy = scale_inv
     spec = (x.dtype, dy.dtype, dtype, code, gated, aligned(x), aligned(dy), int_spec(f),
             int_spec(x.stride(0)), int_spec(dy.stride(0)), data, transpose, want_dbias, epsilon,
-            power_2_scale, count, has_amax, delayed and aligned(scale),
-            has_amax and aligned(amax_history))
+            power_2_scale, count, count and aligned(non_finite), has_amax,
+            delayed and aligned(scale), has_amax and aligned(amax_history))
     common = (x, dy, q if data else dummy, q_t if transpose else dummy,
               sums if want_dbias else dummy, scale if delayed else dummy,
               amax_history if has_amax else dummy, index, scale_inv,

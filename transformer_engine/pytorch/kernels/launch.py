@@ -93,6 +93,17 @@ def _hooks_registered() -> bool:
     return False
 
 
+def _known_options(options: dict) -> dict:
+    """The compile options this Triton's CUDA backend knows (an older one may lack
+    ``enable_reflect_ftz``; the kernels' tests then show what that changes)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - a Triton without the CUDA backend
+        return {}
+    known = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return {k: v for k, v in options.items() if k in known}
+
+
 class Launcher:
     """Launches one JIT kernel (NOTE [Launch overhead]). The caller passes ``key``:
     everything the JIT specializes the kernel on (dtypes, constexpr values, int and
@@ -105,7 +116,7 @@ class Launcher:
 
     def __init__(self, kernel, **options):
         self.kernel = kernel
-        self.options = {} if INTERPRET else options
+        self.options = {} if INTERPRET else _known_options(options)
         self.compiled: Dict[tuple, tuple] = {}
 
     def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:

@@ -195,7 +195,8 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     spec = (x.dtype, weight.dtype, has_bias and bias.dtype, out_dtype, dtype, rms,
             zero_centered_gamma, aligned(x), aligned(weight), has_bias and aligned(bias),
             int_spec(n), int_spec(x.stride(0)), data, transpose, epsilon, power_2_scale, count,
-            has_amax, delayed and aligned(scale), has_amax and aligned(amax_history), block_n)
+            count and aligned(non_finite), has_amax, delayed and aligned(scale),
+            has_amax and aligned(amax_history), aligned(stats[-1]), block_n)
     common = (x, weight, bias if has_bias else weight, y if write_y else dummy,
               q if data else dummy, q_t if transpose else dummy,
               mean if not rms else rstd, rstd, scale if delayed else dummy,
