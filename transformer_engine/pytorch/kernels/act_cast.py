@@ -32,7 +32,9 @@ if AVAILABLE:
 __all__ = ["act_cast"]
 
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
-_PROGRAMS = 1024         # current scaling: programs per launch (each loops over tiles)
+# programs per launch, each looping over tiles: few enough for every program of a
+# current-scaling cast to reduce all partial amaxes, and for few amax atomics
+_PROGRAMS = 1024
 
 if AVAILABLE:
     # rows and counts derived from them are not specialized on (one binary for every
@@ -117,7 +119,7 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
     delayed = scale is not None
     tiles_f = -(-f // _TILE_N)
     tiles = -(-m // _TILE_M) * tiles_f
-    programs = tiles if delayed else min(tiles, _PROGRAMS)
+    programs = min(tiles, _PROGRAMS)
     y = torch.empty((m, f), dtype=x.dtype, device=device) if write_y else None
     q, q_t, scale_inv, partial = cast_outputs(m, f, dtype, device, data, transpose,
                                               scratch=0 if delayed else programs,

@@ -1,5 +1,7 @@
 """te.LayerNormLinear: a normalization (high precision) followed by one linear
-layer (FP8 inside an enabled ``te.autocast``), with TE's signature and parameter names."""
+layer (FP8 inside an enabled ``te.autocast``), with TE's signature and parameter names.
+On CUDA the normalization's kernel writes the GEMM's FP8 input (NOTE [Fused producers]
+in fused_producers.py)."""
 
 from __future__ import annotations
 

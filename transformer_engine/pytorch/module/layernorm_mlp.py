@@ -81,9 +81,11 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 class LayerNormMLP(TransformerEngineBaseModule):
     """``y = act(Norm(x) W1^T + b1) W2^T + b2``; both GEMMs in FP8 inside an enabled
-    ``te.autocast``, the normalization and the activation in high precision. TE's
-    signature; parameters in TE's order (``layer_norm_weight``, ``layer_norm_bias``,
-    ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias``).
+    ``te.autocast``, the normalization and the activation in high precision (on CUDA
+    their kernels write the GEMMs' FP8 operands, and the activation's gradient FC1's:
+    NOTE [Fused producers] in fused_producers.py). TE's signature; parameters in TE's
+    order (``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight``, ``fc1_bias``,
+    ``fc2_weight``, ``fc2_bias``).
 
     Parameters
     ----------
