@@ -294,4 +294,5 @@ def act_cast_input(plan: ForwardPlan, fp8_meta: dict, fc1_out: torch.Tensor, act
                              fc1_out.device),
                     transpose, handoff, plan, fp8_meta, bwd_index)
     act_out = ActCast.apply(fc1_out, call)
-    return act_out, call.fp8
+    fp8, call.fp8 = call.fp8, None      # the backward keeps `call`, not FC2's FP8 input
+    return act_out, fp8
