@@ -15,7 +15,8 @@ from ...common.recipe import GEMM_FIELDS, QUANT_FIELDS
 __all__ = ["InvalidPayload", "RECIPE_CLASSES", "recipe_to_dict", "recipe_fields",
            "check_recipe", "describe"]
 
-_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha")
+_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha",
+                                                                  "backward_override")
 _BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
 _RECIPE_FIELDS = {
     "DelayedScaling": frozenset(("type", "margin", "fp8_format", "amax_history_len",
@@ -25,6 +26,8 @@ _RECIPE_FIELDS = {
 }
 RECIPE_CLASSES = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling,
                   "Float8BlockScaling": Float8BlockScaling}
+# fields older recipes (TE's before backward_override) lack, read as their default
+_FIELDS_ADDED_LATER = {"backward_override": None}
 _PARAMS_CLASSES = dict.fromkeys(QUANT_FIELDS, QParams) | dict.fromkeys(GEMM_FIELDS, MMParams)
 _STR_AMAX_ALGOS = ("max", "most_recent")
 
@@ -58,6 +61,9 @@ def recipe_fields(recipe) -> dict:
             raise InvalidPayload("recipe: scaling_factor_compute_algo must be None (a "
                                  "callable cannot come from a payload)")
         for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
+            if name in _FIELDS_ADDED_LATER and name not in vars(recipe):
+                fields[name] = _FIELDS_ADDED_LATER[name]
+                continue
             value = getattr(recipe, name)
             if name in _PARAMS_CLASSES and dataclasses.is_dataclass(value):
                 _check_foreign_fields(f"recipe: {name}", value)
