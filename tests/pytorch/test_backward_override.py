@@ -142,13 +142,10 @@ def _modules():
 
 @pytest.mark.parametrize("recipe_cls", RECIPES)
 @pytest.mark.parametrize("mode", [None] + MODES)
-@pytest.mark.parametrize("name", list(_modules()))
-def test_backward_casts_nothing(name, mode, recipe_cls, monkeypatch):
-    """Counting the operand casts: the forward casts as usual; the backward of an
-    override mode casts nothing (None: each GEMM's output gradient is cast)."""
-    make, kwargs = _modules()[name]
-    module = make()
-    x = torch.randn(16, 64, requires_grad=True)
+def test_backward_casts_nothing(mode, recipe_cls, monkeypatch):
+    """Counting the operand casts of each module: the forward casts as usual; the
+    backward of an override mode casts nothing (None: each GEMM's output gradient is
+    cast)."""
     calls = []
     original = fp8_operands.cast_operand
 
@@ -159,17 +156,21 @@ def test_backward_casts_nothing(name, mode, recipe_cls, monkeypatch):
     monkeypatch.setattr(fp8_operands, "cast_operand", counting)
     monkeypatch.setattr(te.module.linear, "cast_operand", counting)
     recipe = recipe_cls(backward_override=mode)
-    with te.autocast(recipe=recipe):
-        y = module(x, **kwargs)
-    forward_calls = list(calls)
-    assert "fwd_inp" in forward_calls
-    y.sum().backward()
-    backward_calls = calls[len(forward_calls):]
-    if mode is None:
-        assert backward_calls and set(backward_calls) == {"bwd_grad"}
-    else:
-        assert backward_calls == []
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for name, (make, kwargs) in _modules().items():
+        module = make()
+        x = torch.randn(16, 64, requires_grad=True)
+        calls.clear()
+        with te.autocast(recipe=recipe):
+            y = module(x, **kwargs)
+        forward_calls = list(calls)
+        assert "fwd_inp" in forward_calls, name
+        y.sum().backward()
+        backward_calls = calls[len(forward_calls):]
+        if mode is None:
+            assert backward_calls and set(backward_calls) == {"bwd_grad"}, name
+        else:
+            assert backward_calls == [], name
+        assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_grouped_linear_gradients_are_per_split_products():

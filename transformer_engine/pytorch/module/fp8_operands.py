@@ -41,7 +41,7 @@ import torch
 
 from .. import block_scaling, quantize
 from ..amax_update import non_finite_counter
-from ..tensor import Float8Tensor
+from ..tensor import QuantizedTensor
 from .base import ForwardPlan
 from .fp8_params import weight_operands
 
@@ -75,7 +75,7 @@ def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, f
     (input in slot ``index``, weight in ``index + 1``), transposes as asked for. A
     plain delayed-scaling weight cast (no cache in use, not an FP8 primary weight)
     shares one launch with the input's (`quantize.cast_pair_unchecked`)."""
-    if plan.delayed and plan.is_first_microbatch is None and not isinstance(weight, Float8Tensor):
+    if plan.delayed and plan.is_first_microbatch is None and not isinstance(weight, QuantizedTensor):
         return quantize.cast_pair_unchecked(x, weight, state.scale, dtype, index,
                                             state.amax_history if plan.record_amax else None,
                                             transpose_x, transpose_w)
@@ -89,8 +89,8 @@ def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, i
     """The FP8 weight (and its transpose) of GEMM ``gemm`` for this call (NOTE [FP8
     weight cache], NOTE [Skip-update flag]); an FP8 primary weight is its own (NOTE
     [FP8 primary weights] in fp8_params.py)."""
-    if isinstance(weight, Float8Tensor):
-        return weight_operands("FP8 GEMM", weight, plan.recipe, transpose)
+    if isinstance(weight, QuantizedTensor):
+        return weight_operands(weight, transpose)
     if plan.is_first_microbatch is None:        # no cache in use: the plain cast
         return cast_operand(weight, plan, state, index, dtype, plan.record_amax, "fwd_weight",
                             transpose=transpose)
