@@ -87,10 +87,15 @@ class Float8BlockQuantizer(Quantizer):
     def _get_compatible_recipe(self):
         return Float8BlockScaling
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Float8BlockQuantizer) and vars(self) == vars(other)
+    def _key(self):
+        return (self.dtype, self.columnwise_usage, self.block_scaling_dim, self.amax_epsilon,
+                self.force_pow_2_scales)
 
-    __hash__ = None
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Float8BlockQuantizer) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 class Float8BlockwiseQTensor(QuantizedTensor):
