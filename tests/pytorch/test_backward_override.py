@@ -11,6 +11,7 @@ from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling
                                               Float8CurrentScaling, MXFP8BlockScaling)
 from transformer_engine.pytorch import block_scaling, quantize
 from transformer_engine.pytorch.module import fp8_operands
+from helpers import DEVICES
 
 MODES = ["high_precision", "dequantized"]
 RECIPES = [pytest.param(Float8CurrentScaling, id="current"),
@@ -20,7 +21,7 @@ RECIPES = [pytest.param(Float8CurrentScaling, id="current"),
 def _forward_backward(module, x, recipe, dy_seed=7, **kwargs):
     with te.autocast(recipe=recipe):
         y = module(x, **kwargs)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(dy_seed)).to(y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(dy_seed)).to(y)
     y.backward(dy)
     return y, dy
 
@@ -76,16 +77,17 @@ def _fp8_operands(recipe, x, w):
     return xq.dequantize(), wq.dequantize()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recipe_cls", RECIPES)
 @pytest.mark.parametrize("mode", MODES)
-def test_linear_backward_is_the_product_of_the_kept_operands(mode, recipe_cls, dtype):
+def test_linear_backward_is_the_product_of_the_kept_operands(mode, recipe_cls, dtype, device):
     """high_precision: ``dx = dy W``, ``dW = dy^T x`` on the unquantized tensors;
     dequantized: on the forward's dequantized FP8 operands; in the activation dtype,
     bit for bit. The bias gradient is the FP8 backward's."""
     recipe = recipe_cls(backward_override=mode)
-    lin = te.Linear(160, 48, params_dtype=dtype)
-    x = torch.randn(24, 160, dtype=dtype, requires_grad=True)
+    lin = te.Linear(160, 48, params_dtype=dtype, device=device)
+    x = torch.randn(24, 160, dtype=dtype, device=device, requires_grad=True)
     _, dy = _forward_backward(lin, x, recipe)
     w = lin.weight.detach()
     if mode == "high_precision":

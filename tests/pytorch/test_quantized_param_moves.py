@@ -36,9 +36,9 @@ def _module(recipe, device="cpu"):
         return te.Linear(64, 64, device=device)
 
 
-def _check_moves(recipe, moves):
+def _check_moves(recipe, moves, device="cpu", run=True):
     for name, move in moves.items():
-        model = _module(recipe)
+        model = _module(recipe, device)
         weight = model.weight
         expected = weight.get_high_precision_init_val()
         weight.probe_attr = "attached-from-outside"
@@ -53,6 +53,8 @@ def _check_moves(recipe, moves):
         weight.clear_high_precision_init_val()
         assert weight.get_high_precision_init_val() is None, name
         assert "_high_precision_init_val" not in weight.__dict__
+        if not run:
+            continue
         x = torch.randn(16, 64, dtype=weight.dtype, device=weight.device)
         with te.autocast(recipe=recipe):
             assert model(x).dtype == weight.dtype
@@ -66,7 +68,12 @@ def test_attributes_survive_module_moves(recipe):
 @helpers.cuda_fp8
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_attributes_survive_moves_to_and_from_cuda(recipe):
-    _check_moves(recipe, {"cuda": lambda m: m.cuda(), "cuda-cpu": lambda m: m.cuda().cpu()})
+    """(The forward after a move between devices is not run: a delayed-scaling
+    module's scaling state stays where it was made.)"""
+    _check_moves(recipe, {"cuda": lambda m: m.cuda(), "cuda-cpu": lambda m: m.cuda().cpu()},
+                 run=False)
+    _check_moves(recipe, {"on-cuda": lambda m: m.cuda(), "half": lambda m: m.half()},
+                 device="cuda")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
