@@ -6,6 +6,8 @@ TESTS=(
     tests/pytorch/test_recipe_fields.py
     tests/pytorch/test_bad_input.py
     tests/pytorch/test_extra_state.py
+    tests/pytorch/test_extra_state_fuzz.py
+    tests/pytorch/test_checkpoint_files_doc.py
     tests/pytorch/test_quantize.py
     tests/pytorch/test_block_scaling.py
     tests/pytorch/test_block_scaling_modules.py
@@ -49,10 +51,12 @@ TESTS=(
     tests/pytorch/test_docs_snippets.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py
+    tests/pytorch/test_megatron_gpt.py
     tests/pytorch/test_megatron_moe.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py
     tests/pytorch/distributed/test_tensor_parallel_layer.py
     tests/pytorch/distributed/test_distributed_checkpoint.py
+    tests/pytorch/distributed/test_dcp_fp8_state.py
 )

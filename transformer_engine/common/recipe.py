@@ -63,6 +63,12 @@ class Format(enum.Enum):
                     return member
         return None
 
+    def __reduce_ex__(self, protocol):
+        # pickled as NVIDIA's TE pickles a Format, by a `_FormatHelper` value, so that
+        # a pickle of a recipe names no torch dtype (Megatron's allow-list unpickler
+        # reads FP8 extra state)
+        return type(self), (_FormatHelper(self.value.max_fwd, self.value.max_bwd),)
+
 
 class _FormatHelper(NamedTuple):
     """The value NVIDIA's TE gives a `Format` member, and pickles it by: its maxima.

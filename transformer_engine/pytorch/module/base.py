@@ -296,7 +296,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def get_extra_state(self) -> torch.Tensor:
         """The FP8 state (recipe, scales, amax histories) as a uint8 tensor in TE's
         layout, so that it travels in ``state_dict()`` (NOTE [FP8 extra state
-        payload])."""
+        payload]); an `ExtraStateTensor`, which ``torch.distributed.checkpoint`` loads
+        into a model of any FP8 state (NOTE [FP8 extra state in distributed
+        checkpoints])."""
         return extra_state.save_fp8_state(self.fp8_meta, self._fp8_layout())
 
     def _fp8_layout(self) -> extra_state.Layout:
