@@ -512,6 +512,20 @@ def test_transformer_layer_fused_equals_unfused(recipe, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_backward_override_keeps_the_unfused_producers(override, monkeypatch):
+    """A recipe whose backward reads the high-precision operands (NOTE [Backward
+    override]) gets them: no producer is fused."""
+    calls = _spy_producers(monkeypatch)
+    layer = te.LayerNormMLP(64, 64, params_dtype=torch.bfloat16, device=DEVICE)
+    x = _sample((16, 64), torch.bfloat16).requires_grad_()
+    with te.autocast(recipe=Float8CurrentScaling(backward_override=override)):
+        y = layer(x)
+    y.float().sum().backward()
+    assert calls == {"norm": 0, "act": 0, "dact": 0} and x.grad is not None
+
+
+@needs_kernels
 def test_fused_paths_write_no_normalization_output(monkeypatch):
     """Only a module that returns the normalization output has it written; what it
     returns is the kernel's output."""

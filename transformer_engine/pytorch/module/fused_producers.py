@@ -27,7 +27,9 @@ NOTE [Fused producers]
     order differs from torch's). A recompute reruns the same kernels with the
     stashed scales, so checkpointed and plain runs give the same bits as before.
 
-    When: an FP8 forward under delayed or current scaling, on CUDA, with
+    When: an FP8 forward under delayed or current scaling with an FP8 backward (no
+    ``backward_override``, NOTE [Backward override]: that backward reads the
+    high-precision input), on CUDA, with
     ``KernelConfig.fused`` and ``.fused_producers`` on, outside ``torch.compile``
     tracing (the kernels are registered as custom ops for that path: kernels/ops.py),
     and only where the GEMM takes the tensor as it is: no sequence-parallel gather in
@@ -45,6 +47,7 @@ import torch
 from ..amax_update import non_finite_counter
 from ..fp8_shapes import FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data
 from ..kernel_config import get_kernel_config
+from .backward_override import backward_override
 from .base import ForwardPlan
 
 __all__ = ["fused_producers_on", "NormCast", "ActCast", "GradHandoff", "unwritten",
@@ -69,7 +72,8 @@ def _load():
 def fused_producers_on(plan: ForwardPlan, x: torch.Tensor) -> bool:
     """Whether a producer of an FP8 GEMM operand ``x`` under ``plan`` takes its fused
     kernel (NOTE [Fused producers]): not the GEMM shapes, which the caller checks."""
-    if not (plan.fp8 and (plan.delayed or plan.recipe.float8_current_scaling())):
+    if not (plan.fp8 and (plan.delayed or plan.recipe.float8_current_scaling())
+            and backward_override(plan.recipe) is None):
         return False
     config = get_kernel_config()
     return ((x.is_cuda or config.interpret) and config.fused and config.fused_producers

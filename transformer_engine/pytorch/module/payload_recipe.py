@@ -17,7 +17,8 @@ from .payload_pickle import InvalidPayload, Record, RecordSpec, describe
 __all__ = ["InvalidPayload", "RECIPE_CLASSES", "RECORD_SPECS", "recipe_to_dict",
            "recipe_from_record", "check_recipe", "describe"]
 
-_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha")
+_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha",
+                                                                  "backward_override")
 _BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
 _RECIPE_FIELDS = {
     "DelayedScaling": frozenset(("type", "margin", "fp8_format", "amax_history_len",
@@ -35,15 +36,16 @@ _STR_AMAX_ALGOS = ("max", "most_recent")
 #     names and module (``transformer_engine.common.recipe``), and a Format is pickled
 #     by its (max_fwd, max_bwd) value. TE's objects may hold fields this package's
 #     classes lack, accepted where they mean what this package does: the deprecated
-#     ``interval`` (ignored by TE 2 too), ``backward_override`` at None, the NVFP4
-#     options of QParams off, and the switches TE's stateless recipes derive their
-#     QParams from (``use_power_2_scales``, ``use_f32_scales``); any other value is
-#     refused as not implemented.
+#     ``interval`` (ignored by TE 2 too), the NVFP4 options of QParams off, and the
+#     switches TE's stateless recipes derive their QParams from
+#     (``use_power_2_scales``, ``use_f32_scales``); any other value is refused as not
+#     implemented. ``backward_override`` is read as the recipes' own field (a
+#     DelayedScaling's only at None), its default where a payload lacks it.
 _ANY = object()
 _TE_ONLY_FIELDS = {
     "DelayedScaling": {"interval": _ANY, "backward_override": None},
-    "Float8CurrentScaling": {"use_power_2_scales": bool, "backward_override": None},
-    "Float8BlockScaling": {"use_f32_scales": bool, "backward_override": None},
+    "Float8CurrentScaling": {"use_power_2_scales": bool},
+    "Float8BlockScaling": {"use_f32_scales": bool},
     "QParams": {"random_hadamard_transform": False, "stochastic_rounding": False,
                 "fp4_2d_quantization": False},
     "MMParams": {},
