@@ -158,6 +158,7 @@ def main(argv=None):
     p.add_argument("--activations", default="gelu,swiglu")
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--name", default="bench_kernels", help="the JSON file's name (before the card)")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -192,7 +193,7 @@ def main(argv=None):
                                  f"{t_unfused / t_fused:.2f}"])
                     print(f"  {rows[-1]}", flush=True)
                     torch.cuda.empty_cache()
-    path = write_json(result, "bench_kernels", args.out)
+    path = write_json(result, args.name, args.out)
     print(f"{args.tokens} rows, bfloat16 in, FP8 out with its transpose; copy bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s on {result['env']['card']}")
     print(table(rows, ["producer", "hidden", "recipe", "fused ms", "unfused ms", "floor ms",

@@ -128,9 +128,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precisions", default=",".join(PRECISIONS))
-    p.add_argument("--modes", default="eager,graphed")
+    p.add_argument("--modes", default="eager,graphed", help="comma-separated; may be empty")
     p.add_argument("--compile", action="store_true", help="add torch.compile rows")
     p.add_argument("--fused-producers", type=int, default=1, choices=(0, 1))
+    p.add_argument("--name", default="bench_transformer_layers",
+                   help="the JSON file's name (before the card)")
     p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -138,7 +140,7 @@ def main(argv=None):
     modes = [m for m in args.modes.split(",") if m] + (["compiled"] if args.compile else [])
     precisions = [q for q in args.precisions.split(",") if q]
     result = {"env": environment(), "config": {k: v for k, v in vars(args).items()
-                                               if k != "out"}, "rows": []}
+                                               if k not in ("out", "name")}, "rows": []}
     with kernel_config(fused_producers=bool(args.fused_producers)):
         for hidden in (int(h) for h in args.hidden.split(",")):
             for mode in modes:
@@ -166,7 +168,7 @@ def main(argv=None):
         else:
             rows.append([r["hidden"], r["mode"], r["precision"], f"{r['step_ms']:.2f}",
                          speedup, f"{r['peak_GiB']:.2f}", f"{r['held_GiB']:.2f}", ""])
-    path = write_json(result, "bench_transformer_layers", args.out)
+    path = write_json(result, args.name, args.out)
     print(f"{args.layers} x te.TransformerLayer, seq {args.seq}, batch {args.batch}, causal, "
           f"AdamW step; {result['env']['card']}; fused producers "
           f"{'on' if args.fused_producers else 'off'}")
