@@ -106,9 +106,12 @@ def check_choice(api: str, name: str, value, choices) -> str:
     return value
 
 
-def check_dropout(api: str, name: str, p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"{api}: {name} must be a float in [0, 1), got {p!r}")
+def check_dropout(api: str, name: str, p, allow_one: bool = False) -> float:
+    """A probability in [0, 1) (or [0, 1] with ``allow_one``)."""
+    if (isinstance(p, bool) or not isinstance(p, (int, float))
+            or not (0.0 <= p <= 1.0 if allow_one else 0.0 <= p < 1.0)):
+        raise ValueError(f"{api}: {name} must be a float in [0, {1 if allow_one else '1)'}"
+                         f"{']' if allow_one else ''}, got {p!r}")
     return float(p)
 
 
