@@ -4,6 +4,7 @@ that ties a module to the FP8 autocast and to activation recompute."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -185,7 +186,14 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def _adopt_recipe(self, recipe: Recipe) -> None:
         """Keep the state (fresh if there is none); a history of another length than
         the recipe's is resized, keeping the scales and the most recent amaxes
-        (`delayed_scaling.resize_amax_history`), never discarded."""
+        (`delayed_scaling.resize_amax_history`), never discarded. A recipe of an
+        unrelated class (neither a subclass of the other) than the module's last one
+        warns, as TE's modules do when they rebuild their quantizers."""
+        old = self.fp8_meta["recipe"]
+        if old is not None and not (isinstance(recipe, type(old)) or isinstance(old, type(recipe))):
+            warnings.warn(f"{self.named_api(type(self).__name__)}: Recipe type changed from "
+                          f"{type(old).__name__} to {type(recipe).__name__}. This may affect "
+                          "model behavior.", UserWarning, stacklevel=4)
         self.fp8_meta["recipe"] = recipe
         self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():
