@@ -291,6 +291,27 @@ def test_eval_and_no_grad_run_eagerly():
     assert torch.equal(y, ref)
 
 
+@cuda_fp8
+def test_reset_frees_the_graphs():
+    """TE's ``reset()`` on graphed modules and functions: afterwards eval calls still run
+    eagerly, a training call raises instead of replaying freed graphs."""
+    model, shape = _build("Linear")
+    plain = te.Linear(shape[1], shape[1], params_dtype=torch.bfloat16, device="cuda")
+    graphed_model, graphed_fn = te.make_graphed_callables(
+        (model, lambda x: plain(x) * 2), ((cuda_inputs(shape, 0).requires_grad_(),),
+                                          (cuda_inputs(shape, 0).requires_grad_(),)),
+        enabled=True, recipe=RECIPE)
+    assert graphed_model is model and model.reset == model.forward.reset
+    x = cuda_inputs(shape, 1).requires_grad_()
+    for g in (graphed_model, graphed_fn):
+        g(x).sum().backward()                                  # replays before the reset
+        g.reset()
+        with torch.no_grad():
+            assert g(x).shape == (shape[0], shape[1])
+        with pytest.raises(RuntimeError, match="CUDA graphs were freed by its reset"):
+            g(x)
+
+
 # ---- what cannot be captured (GPU) ---------------------------------------------------------
 
 @cuda_fp8

@@ -189,6 +189,14 @@ class _GraphedCallable:
 
         return Graphed
 
+    def reset(self) -> None:
+        """TE's ``reset()`` of a graphed callable: free its CUDA graphs and static
+        buffers. Eval and no-grad calls still run eagerly; a training call raises."""
+        for graph in (*self.rng.segments, self.bwd_graph):
+            graph.reset()
+        self.replay = None
+        self.static_outputs = self.static_grad_outputs = self.static_grad_inputs = ()
+
     def __call__(self, *args, **kwargs):
         if self.setting.weight_caching:
             first = kwargs.pop("is_first_microbatch", None)
@@ -215,6 +223,9 @@ class _GraphedCallable:
                 raise ValueError(f"{API}: a graphed callable needs inputs of the captured "
                                  f"shape, dtype and device ({tuple(static.shape)}, {static.dtype},"
                                  f" {static.device}), got {_describe(given)}")
+        if self.replay is None:
+            raise RuntimeError(f"{API}: this callable's CUDA graphs were freed by its reset(); "
+                               "graph it again with te.make_graphed_callables to train it")
         params = self.grad_inputs[len(self.static_inputs):]
         leaves = self.replay.apply(*inputs, *params)
         return rebuild_nested(list(leaves), self.out_spec)
@@ -324,6 +335,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     for g in graphed:
         if isinstance(g.fn, torch.nn.Module):
             g.fn.forward = g
+            g.fn.reset = g.reset                     # TE's attribute on a graphed module
             results.append(g.fn)
         else:
             results.append(g)
