@@ -37,6 +37,7 @@ TESTS=(
     tests/pytorch/test_module_params.py
     tests/pytorch/test_rotary.py
     tests/pytorch/test_attention_masks.py
+    tests/pytorch/test_strided_inputs.py
     tests/pytorch/test_layer_variants.py
     tests/pytorch/test_triton_kernels.py
     tests/pytorch/test_train_gpt.py

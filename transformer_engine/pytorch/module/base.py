@@ -23,6 +23,15 @@ __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "acti
            "no_autocast"]
 
 
+# NOTE [Contiguous module inputs]
+#     Every TE module (the GEMM modules and the norms) makes its input contiguous
+#     before anything reads it, as TE's prepare_forward does. A strided input (a
+#     transposed view) would otherwise take other kernels (a GEMM with a transposed
+#     operand, a reduction in another order) and give other bits, in high precision
+#     and in FP8 alike; so a module's outputs and gradients never depend on its
+#     input's strides.
+
+
 def default_device(device) -> torch.device:
     """``device`` or, when None, CUDA if available else CPU (TE's modules default to CUDA)."""
     if device is not None:

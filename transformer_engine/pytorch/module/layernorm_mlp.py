@@ -263,6 +263,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         """The MLP on ``inp``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight cache]
         in fp8_operands.py)."""
         check_input("te.LayerNormMLP", inp, self.hidden_size)
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
                            self.normalization, self.eps, self.zero_centered_gamma)
         args = (ln_out,) if is_first_microbatch is None else (ln_out, is_first_microbatch)
