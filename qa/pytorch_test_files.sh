@@ -42,6 +42,7 @@ TESTS=(
     tests/pytorch/test_triton_kernels.py
     tests/pytorch/test_train_gpt.py
     tests/pytorch/test_package_identity.py
+    tests/pytorch/test_public_paths.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py
     tests/pytorch/test_megatron_moe.py
