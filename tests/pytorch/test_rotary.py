@@ -133,14 +133,15 @@ def _cp_local(full, cp_size, rank, dim=0):
 CP_CASES = [pytest.param(2, id="cp2"), pytest.param(3, id="cp3")]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("starts", [None, [3, 0]], ids=["no-starts", "starts"])
 @pytest.mark.parametrize("cp_size", CP_CASES)
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
-def test_context_parallel_matches_the_full_sequence(fmt, cp_size, starts, interleaved, fused):
+def test_context_parallel_matches_the_full_sequence(fmt, cp_size, starts, interleaved):
     """Each rank's rotation (and gradient) is the float64 rotation of the whole
-    sequence, at positions ``start + p``, restricted to that rank's two chunks."""
+    sequence, at positions ``start + p``, restricted to that rank's two chunks
+    (``fused`` both ways: it names a kernel choice in TE, the same math here)."""
+    fused = cp_size == 3
     g = torch.Generator().manual_seed(4)
     seq = 4 * cp_size                                       # two tokens a chunk
     full = torch.randn(seq, B, HEADS, D, generator=g)       # sbhd, global

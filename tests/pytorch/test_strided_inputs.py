@@ -19,6 +19,7 @@ MODULES = {
 }
 RECIPES = [pytest.param(None, id="high-precision"), pytest.param(RECIPE, id="delayed"),
            pytest.param(Float8CurrentScaling(), id="current")]
+_GEMM_FREE = ("LayerNorm", "RMSNorm")
 
 
 def _step(module, x, recipe):
@@ -33,8 +34,10 @@ def _step(module, x, recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", list(MODULES))
 def test_transposed_input_gives_the_contiguous_inputs_bits(kind, recipe, device):
-    if recipe is not None and kind in ("LayerNorm", "RMSNorm"):
+    if recipe is not None and kind in _GEMM_FREE:
         pytest.skip("no GEMM: FP8 does not touch a norm")
+    if isinstance(recipe, Float8CurrentScaling) and kind != "Linear" and device == "cpu":
+        pytest.skip("the CPU runs current scaling on te.Linear only (the cast is the same)")
     torch.manual_seed(0)
     strided_module = MODULES[kind](device)
     plain_module = MODULES[kind](device)
