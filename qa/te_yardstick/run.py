@@ -11,7 +11,7 @@ Environment: YARDSTICK_WORKERS (processes at once, default 12), YARDSTICK_BUDGET
 Each selected file runs as ``FILES[file]`` chunks (every n-th test), each chunk a
 pytest process of its own (so one test file's process state never leaks into
 another's, as in TE's own CI, which runs each file alone). Chunks are queued largest
-file first onto the workers. A chunk whose process dies (crash, or a test over the
+file first onto the workers, at most MAX_AT_ONCE[file] of one file at a time. A chunk whose process dies (crash, or a test over the
 per-test limit) is restarted after the test it died in, which is recorded as
 crashed; whatever the budget leaves unstarted is recorded as not run.
 """
@@ -30,7 +30,7 @@ from collections import Counter, defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from selection import EXCLUDED_FILES, FILES, test_key  # noqa: E402
+from selection import EXCLUDED_FILES, FILES, MAX_AT_ONCE, test_key  # noqa: E402
 
 OUTCOMES = ("passed", "failed", "error", "skipped", "crashed", "not_run")
 
@@ -83,11 +83,8 @@ class Unit:
                     code = None
             self.runs += 1
             died_in = _unfinished(self.log)
-            if code is None:
+            if code is None:                      # the test it was in counts as not run
                 self.ended = "budget spent: the process was stopped"
-                if died_in:
-                    _append(self.log, event="crash", nodeid=died_in,
-                            message="stopped when the time budget ran out")
                 return
             if died_in is None:
                 self.ended = f"pytest exit code {code}"
@@ -296,15 +293,30 @@ def main(argv):
     deadline = start + budget
     units = [Unit(tests_dir, out, name, k, FILES[name]) for name in names
              for k in range(FILES[name])]
-    queue, lock = list(units), threading.Lock()
+    queue, lock, running = list(units), threading.Condition(), Counter()
+
+    def next_unit():
+        """The first queued chunk whose file is under its MAX_AT_ONCE (None: queue empty)."""
+        with lock:
+            while queue:
+                for i, u in enumerate(queue):
+                    if running[u.name] < MAX_AT_ONCE.get(u.name, len(units)):
+                        running[u.name] += 1
+                        return queue.pop(i)
+                lock.wait()
+            return None
 
     def worker():
         while True:
-            with lock:
-                if not queue:
-                    return
-                unit = queue.pop(0)
-            unit.run(python, deadline, test_timeout, env)
+            unit = next_unit()
+            if unit is None:
+                return
+            try:
+                unit.run(python, deadline, test_timeout, env)
+            finally:
+                with lock:
+                    running[unit.name] -= 1
+                    lock.notify_all()
 
     threads = [threading.Thread(target=worker) for _ in range(workers)]
     for t in threads:

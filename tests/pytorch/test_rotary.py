@@ -87,6 +87,29 @@ def test_output_is_contiguous_whatever_the_input_strides(rot_dim, fused):
     assert torch.equal(out, apply_rotary_pos_emb(t.contiguous(), freqs, "sbhd", fused=fused))
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_arbitrary_freqs_forward_and_gradient(interleaved):
+    """TE accepts any ``freqs`` (its tests pass random ones): with angles that differ
+    within a pair the rotation is no longer one, and forward and gradient are those of
+    ``x cos + turn(x) sin`` itself, against float64 autograd."""
+    g = torch.Generator().manual_seed(8)
+    t = torch.randn(S, B, HEADS, D, generator=g).requires_grad_()
+    freqs = torch.randn(S, 1, 1, D // 2, generator=g) * 3          # partial, unpaired
+    out = apply_rotary_pos_emb(t, freqs, "sbhd", interleaved=interleaved)
+    t64 = leaf64(t)
+    x, f = t64[..., :D // 2], freqs.double()
+    if interleaved:
+        turned = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        turned = torch.cat((-x[..., D // 4:], x[..., :D // 4]), dim=-1)
+    ref = torch.cat((x * f.cos() + turned * f.sin(), t64[..., D // 2:]), dim=-1)
+    dy = torch.randn(t.shape, generator=g)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert_close(out, ref, 1e-6, "out")
+    assert_close(t.grad, t64.grad, 1e-6, "grad")
+
+
 def test_lengths_given_as_integer_tensors():
     """TE's callers pass ``max_seqlen`` as a device integer tensor."""
     rope = te.RotaryPositionEmbedding(D, device="cpu")

@@ -142,20 +142,64 @@ def _int_from_scalar_tensor(value):
 
 def _rotate(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate the first ``angles.shape[-1]`` channels of ``t`` (angles broadcast to
-    ``t``'s leading dimensions), in float32."""
-    d2 = angles.shape[-1]
-    x = t[..., :d2].to(torch.float32)
-    cos, sin = torch.cos(angles), torch.sin(angles)
+    ``t``'s leading dimensions), in float32, through `_Rotation`."""
+    return _Rotation.apply(t, torch.cos(angles), torch.sin(angles), interleaved)
+
+
+def _turned(v: torch.Tensor, interleaved: bool, transpose: bool) -> torch.Tensor:
+    """``turn(v)``: each pair ``(a, b)`` becomes ``(-b, a)`` (pairs ``(2i, 2i+1)``
+    interleaved, ``(i, i + d2/2)`` otherwise); with ``transpose``, ``turn``'s
+    transpose ``(b, -a)``. One new tensor."""
+    out = torch.empty_like(v)
     if interleaved:
-        even, odd = x[..., 0::2], x[..., 1::2]
-        turned = torch.stack((-odd, even), dim=-1).flatten(-2)
+        lo, hi, o_lo, o_hi = v[..., 0::2], v[..., 1::2], out[..., 0::2], out[..., 1::2]
     else:
-        first, second = x.chunk(2, dim=-1)
-        turned = torch.cat((-second, first), dim=-1)
-    rotated = (x * cos + turned * sin).to(t.dtype)
+        half = v.shape[-1] // 2
+        lo, hi, o_lo, o_hi = v[..., :half], v[..., half:], out[..., :half], out[..., half:]
+    if transpose:
+        o_lo.copy_(hi)
+        torch.neg(lo, out=o_hi)
+    else:
+        torch.neg(hi, out=o_lo)
+        o_hi.copy_(lo)
+    return out
+
+
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+             transpose: bool = False) -> torch.Tensor:
+    """On the first ``d2`` channels of ``t``, in float32: ``x cos + turn(x) sin`` (or,
+    with ``transpose``, the transposed map ``x cos + turn^T(x sin)``, the gradient),
+    each product and the sum rounded once, then rounded to ``t``'s dtype; the other
+    channels pass through. Contiguous whatever ``t``'s strides (as TE's)."""
+    d2 = cos.shape[-1]
+    x = t[..., :d2].to(torch.float32)
+    out = x * cos
+    if transpose:
+        out.add_(_turned(x * sin, interleaved, transpose=True))
+    else:
+        out.add_(_turned(x, interleaved, transpose=False).mul_(sin))
+    rotated = out.to(t.dtype)
     if d2 == t.shape[-1]:
-        return rotated.contiguous()         # as TE's: contiguous whatever t's strides
+        return rotated.contiguous()
     return torch.cat((rotated, t[..., d2:]), dim=-1)
+
+
+class _Rotation(torch.autograd.Function):
+    """The rotation, saving only ``cos`` and ``sin`` (as TE's fused kernel does); the
+    backward applies the transposed map, exact also for angles that differ within a
+    pair (TE accepts any ``freqs``)."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin, interleaved):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotated(t, cos, sin, interleaved)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotated(grad, cos, sin, ctx.interleaved, transpose=True), None, None, None
 
 
 def _check_int_vector(api: str, name: str, t, length: Optional[int] = None) -> torch.Tensor:
