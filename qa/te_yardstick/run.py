@@ -11,9 +11,10 @@ Environment: YARDSTICK_WORKERS (processes at once, default 12), YARDSTICK_BUDGET
 Each selected file runs as ``FILES[file]`` chunks (every n-th test), each chunk a
 pytest process of its own (so one test file's process state never leaks into
 another's, as in TE's own CI, which runs each file alone). Chunks are queued largest
-file first onto the workers, at most MAX_AT_ONCE[file] of one file at a time. A chunk whose process dies (crash, or a test over the
-per-test limit) is restarted after the test it died in, which is recorded as
-crashed; whatever the budget leaves unstarted is recorded as not run.
+file first onto the workers, at most MAX_AT_ONCE[file] of one file at a time. A
+chunk whose process dies (crash, or a test over the per-test limit) is restarted
+after the test it died in, which is recorded as crashed; whatever the budget leaves
+unstarted (or stops) is recorded as not run.
 """
 
 from __future__ import annotations
