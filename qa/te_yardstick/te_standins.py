@@ -47,7 +47,6 @@ STANDIN_MODULES = {
     "transformer_engine.pytorch.constants": "TE's tex-dtype constants",
     "transformer_engine.pytorch._extra_state": "TE's extra-state pickle policy (TE >= 2.14)",
     "transformer_engine.pytorch.quantized_tensor": "TE's quantized-tensor internals (TE >= 2.10)",
-    "transformer_engine.pytorch.tensor.utils": "TE's quantized-tensor utilities",
     "transformer_engine.pytorch.tensor.grouped_tensor": "TE's grouped tensor",
     "transformer_engine.pytorch.tensor.nvfp4_tensor": "NVFP4 tensors",
     "transformer_engine.pytorch.tensor.mxfp8_tensor": "MXFP8 tensors",
@@ -92,8 +91,8 @@ STANDIN_ATTRS = {
         "parallel_cross_entropy", "initialize_ub", "destroy_ub",
     ],
     "transformer_engine.pytorch.tensor": [
-        "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer",
-        "MXFP8Quantizer", "NVFP4Quantizer", "Quantizer", "QuantizedTensorStorage",
+        "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
+        "QuantizedTensorStorage",
     ],
     "transformer_engine.pytorch.tensor.float8_tensor": [
         "Float8Quantizer", "Float8CurrentScalingQuantizer",

@@ -29,9 +29,19 @@ STEPS = 5
     ({"enabled": True, "num_warmup_iters": 0}, ValueError, "must be >= 1 with FP8"),
     ({"cache_quantized_params": True}, ValueError,
      "cache_quantized_params=True caches FP8 weights, so it needs enabled=True"),
-    ({"_order": [1, -1]}, NotImplementedError, "interleaved pipeline-parallel"),
+    ({"_order": [1, 1, -1, -1]}, NotImplementedError, r"_order=\[1, 1, -1, -1\] is not "
+                                                     "implemented: only the default schedule"),
+    ({"_reuse_graph_input_output_buffers": True}, NotImplementedError,
+     "_reuse_graph_input_output_buffers=True"),
+    ({"clone_param_grads_on_return": 1}, TypeError,
+     "clone_param_grads_on_return must be a bool, got 1"),
+    ({"capture_time_hooks": [{"forward_hook": {}}]}, ValueError,
+     r"capture_time_hooks\[0\] has unexpected keys \['forward_hook'\]"),
+    ({"capture_time_hooks": [None, None]}, ValueError,
+     r"capture_time_hooks must hold one entry per callable \(1\)"),
+    ({"pre_warmup_hook": 3}, TypeError, "pre_warmup_hook must be callable or None"),
 ], ids=["enabled-int", "recipe-str", "warmup-negative", "warmup-zero-fp8", "weight-cache",
-        "order"])
+        "order", "reuse-buffers", "clone-int", "hook-key", "hooks-count", "pre-hook"])
 def test_bad_arguments(kwargs, error, match):
     lin = te.Linear(16, 16, device="cpu")
     with pytest.raises(error, match=match):
@@ -53,10 +63,13 @@ def test_deprecated_spellings_warn_and_must_agree():
 
 def test_sample_args_must_match_the_callables():
     lin = te.Linear(16, 16, device="cpu")
-    with pytest.raises(ValueError, match="one tuple of tensors per callable"):
+    with pytest.raises(ValueError, match=r"one tuple \(or list\) of tensors per callable "
+                                         r"\(2\), got tuple of 1"):
         te.make_graphed_callables((lin, lin), (torch.randn(16, 16),))
-    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple of tensors"):
+    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple or list of tensors"):
         te.make_graphed_callables(lin, (torch.randn(16, 16), 3))
+    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple or list of tensors"):
+        te.make_graphed_callables(lin, [torch.randn(16, 16), 3])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
@@ -289,27 +302,6 @@ def test_eval_and_no_grad_run_eagerly():
         with te.autocast(recipe=RECIPE):
             ref = model.eager(x) if hasattr(model, "eager") else model.forward.eager(x)
     assert torch.equal(y, ref)
-
-
-@cuda_fp8
-def test_reset_frees_the_graphs():
-    """TE's ``reset()`` on graphed modules and functions: afterwards eval calls still run
-    eagerly, a training call raises instead of replaying freed graphs."""
-    model, shape = _build("Linear")
-    plain = te.Linear(shape[1], shape[1], params_dtype=torch.bfloat16, device="cuda")
-    graphed_model, graphed_fn = te.make_graphed_callables(
-        (model, lambda x: plain(x) * 2), ((cuda_inputs(shape, 0).requires_grad_(),),
-                                          (cuda_inputs(shape, 0).requires_grad_(),)),
-        enabled=True, recipe=RECIPE)
-    assert graphed_model is model and model.reset == model.forward.reset
-    x = cuda_inputs(shape, 1).requires_grad_()
-    for g in (graphed_model, graphed_fn):
-        g(x).sum().backward()                                  # replays before the reset
-        g.reset()
-        with torch.no_grad():
-            assert g(x).shape == (shape[0], shape[1])
-        with pytest.raises(RuntimeError, match="CUDA graphs were freed by its reset"):
-            g(x)
 
 
 # ---- what cannot be captured (GPU) ---------------------------------------------------------

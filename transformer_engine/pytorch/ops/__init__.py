@@ -19,7 +19,8 @@ import torch
 from .basic import L2Normalization
 
 __all__ = ["L2Normalization", "FusibleOperation", "Sequential", "BasicLinear", "Bias", "GELU",
-           "GEGLU", "ReLU", "ReGLU", "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce", "ReduceScatter"]
+           "GEGLU", "ReLU", "ReGLU", "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce",
+           "ReduceScatter", "MakeExtraOutput"]
 
 
 def _refuse(name: str):
@@ -89,3 +90,8 @@ class AllReduce(FusibleOperation):
 
 class ReduceScatter(FusibleOperation):
     """TE's reduce-scatter operation over a process group; not constructible here."""
+
+
+class MakeExtraOutput(FusibleOperation):
+    """TE's operation that forks its input into an extra output (Megatron-LM's fused
+    residual RMSNorm); not constructible here."""
