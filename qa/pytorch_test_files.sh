@@ -44,11 +44,14 @@ TESTS=(
     tests/pytorch/test_module_params.py
     tests/pytorch/test_rotary.py
     tests/pytorch/test_attention_masks.py
+    tests/pytorch/test_strided_inputs.py
     tests/pytorch/test_layer_variants.py
     tests/pytorch/test_triton_kernels.py
     tests/pytorch/test_fused_producers.py
     tests/pytorch/test_train_gpt.py
     tests/pytorch/test_package_identity.py
+    tests/pytorch/test_public_paths.py
+    tests/pytorch/test_te_yardstick_harness.py
     tests/pytorch/test_docs_snippets.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py

@@ -18,7 +18,6 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (DelayedScaling, Float8CurrentScaling, Format,
                                                MXFP8BlockScaling)
 from helpers import assert_states_equal, fp8_state_snapshot, fp8_training_steps
-from references import padding_mask
 
 CPU = "cpu"
 
@@ -477,10 +476,6 @@ CALL_CASES = [
                 attention_mask=torch.zeros(2, 1, 1, 16, dtype=torch.long)), ValueError,
           r"padding mask for the queries must be a bool tensor of shape \[batch, 1, 1, seq\] = "
           r"\[2, 1, 1, 16\].*got torch.int64", "dpa-padding-mask-int"),
-    _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, _qkv, _qkv,
-                attention_mask=padding_mask(2, 16, [16, 16])), ValueError,
-          "te.DotProductAttention: attn_mask_type='causal' takes no attention_mask",
-          "dpa-causal-with-mask"),
     _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, lambda: _qkv(heads=2),
                 lambda: _qkv(heads=2)), ValueError,
           r"key_layer must be \[seq, batch, heads, d\] \(sbhd\) with 4 heads of size d=16, got "

@@ -8,7 +8,7 @@ import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 FILES = ["backward_override.md", "fp8_primary_weights.md", "block_scaled_gemm.md",
-         "graphed_callables.md"]
+         "graphed_callables.md", "rotary.md", "attention_masks.md"]
 
 
 def _python_blocks(text: str):

@@ -89,6 +89,12 @@ class FP8GlobalStateManager:
     """
 
     # ---- queries ---------------------------------------------------------------
+    @staticmethod
+    def get_meta_tensor_key(forward: bool = True) -> str:
+        """The ``fp8_meta`` key of a module's forward (``"scaling_fwd"``) or backward
+        (``"scaling_bwd"``) delayed-scaling state."""
+        return "scaling_fwd" if forward else "scaling_bwd"
+
     @classmethod
     def reset(cls) -> None:
         """Back to no autocast and no ``quantized_model_init`` on this thread, and no

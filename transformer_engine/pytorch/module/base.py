@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,6 +22,15 @@ from .params import ParameterInitMixin
 
 __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
            "no_autocast"]
+
+
+# NOTE [Contiguous module inputs]
+#     Every TE module (the GEMM modules and the norms) makes its input contiguous
+#     before anything reads it, as TE's prepare_forward does. A strided input (a
+#     transposed view) would otherwise take other kernels (a GEMM with a transposed
+#     operand, a reduction in another order) and give other bits, in high precision
+#     and in FP8 alike; so a module's outputs and gradients never depend on its
+#     input's strides.
 
 
 def default_device(device) -> torch.device:
@@ -209,7 +219,14 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def _adopt_recipe(self, recipe: Recipe) -> None:
         """Keep the state (fresh if there is none); a history of another length than
         the recipe's is resized, keeping the scales and the most recent amaxes
-        (`delayed_scaling.resize_amax_history`), never discarded."""
+        (`delayed_scaling.resize_amax_history`), never discarded. A recipe of an
+        unrelated class (neither a subclass of the other) than the module's last one
+        warns, as TE's modules do when they rebuild their quantizers."""
+        old = self.fp8_meta["recipe"]
+        if old is not None and not (isinstance(recipe, type(old)) or isinstance(old, type(recipe))):
+            warnings.warn(f"{self.named_api(type(self).__name__)}: Recipe type changed from "
+                          f"{type(old).__name__} to {type(recipe).__name__}. This may affect "
+                          "model behavior.", UserWarning, stacklevel=4)
         self.fp8_meta["recipe"] = recipe
         self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():

@@ -162,6 +162,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
                            fp8_grad=(fp8_grad, False))
         check_input(api, inp, self.in_features, "in_features")
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         with self.prepare_forward(inp, is_first_microbatch) as plan:
             weight = joined_parameter(self, self.weight_names)
             ln_fp8 = None

@@ -292,6 +292,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         """The MLP on ``inp``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight cache]
         in fp8_operands.py)."""
         check_input("te.LayerNormMLP", inp, self.hidden_size)
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         if not (self.checkpoint and torch.is_grad_enabled()):
             with self.prepare_forward(inp, is_first_microbatch) as plan:
                 ln_fp8 = None

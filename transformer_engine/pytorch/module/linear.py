@@ -406,6 +406,7 @@ class Linear(TransformerEngineBaseModule):
                                save_original_input=(self.save_original_input, False))
         if not torch.is_tensor(inp):
             raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         with self.prepare_forward(inp, is_first_microbatch) as plan:
             weight = joined_parameter(self, self.weight_names)
             bias = joined_parameter(self, self.bias_names)
