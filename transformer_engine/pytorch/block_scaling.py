@@ -144,12 +144,13 @@ def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int = 1,
 
 
 def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scale: bool,
-                amax_epsilon: float, rowwise: bool = True, columnwise: bool = False
+                amax_epsilon: float, rowwise: bool = True, columnwise: bool = False,
+                count_non_finite: bool = True
                 ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """``(rowwise, columnwise)`` copies of a 2-D ``x`` [R, C], each None unless asked
     for: ``rowwise`` [R, C] with blocks along C, ``columnwise`` [C, R] with blocks along
     R (NOTE [Block scaling layout]). A NaN or inf in ``x`` is counted once (NOTE
-    [Non-finite amaxes] in amax_update.py)."""
+    [Non-finite amaxes] in amax_update.py), unless ``count_non_finite`` is False."""
     row = col = None
     amaxes = None
     if rowwise or (columnwise and block_rows == BLOCK):
@@ -159,19 +160,20 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_sc
             col = row.t_contiguous()
         else:
             col, amaxes = _quantize(x.t(), dtype, 1, power_2_scale, amax_epsilon)
-    if amaxes is not None and amaxes.numel() > 0:
+    if count_non_finite and amaxes is not None and amaxes.numel() > 0:
         non_finite_counter(amaxes.device).add_(~torch.isfinite(amaxes.amax()))
     return (row if rowwise else None), col
 
 
 def cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, rowwise: bool,
-                  columnwise: bool) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
+                  columnwise: bool, count_non_finite: bool = True
+                  ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """`cast_blocks` with the block shape and `QParams` that a Float8BlockScaling
     ``recipe`` gives the tensors of ``role``: "fwd_inp", "fwd_weight" or "bwd_grad"."""
     q = getattr(recipe, "fp8_quant_" + role)
     block_rows = BLOCK if getattr(recipe, _ROLE_DIM_FIELDS[role]) == 2 else 1
     return cast_blocks(x, dtype, block_rows, q.power_2_scale, q.amax_epsilon, rowwise,
-                       columnwise)
+                       columnwise, count_non_finite)
 
 
 def block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,

@@ -96,7 +96,7 @@ class _ForwardScope:
 
 def _no_stash_swapped_in(module) -> recompute.RecomputeStateError:
     return recompute.RecomputeStateError(
-        f"{module.named_api(type(module).__name__)}: the recompute found no FP8 stash in "
+        f"{module.named_api('te.' + type(module).__name__)}: the recompute found no FP8 stash in "
         "fp8_meta after FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(fp8_meta); "
         "a wrapper installed on that hook must call the original. Refusing to recompute with "
         "the live (already updated) scales.")

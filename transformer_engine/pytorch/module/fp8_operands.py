@@ -61,11 +61,14 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
         return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                                  state.amax_history if record else None,
                                                  data, transpose)
+    # a recompute counts no non-finite amax: its first forward did (NOTE [Non-finite amaxes])
+    count = not plan.recomputing
     if plan.recipe.float8_block_scaling():
-        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
+        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose, count)
     q = getattr(plan.recipe, "fp8_quant_" + role)
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
-                                         non_finite_counter(x.device), data, transpose)
+                                         non_finite_counter(x.device) if count else None,
+                                         data, transpose)
 
 
 def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict,
@@ -141,7 +144,8 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
             slot.copy_(torch.where(keep, slot, torch.maximum(slot, amax_value)))
     else:
         q = plan.recipe.fp8_quant_fwd_weight
-        non_finite_counter(weight.device).add_(~keep & ~torch.isfinite(amax_value))
+        if not plan.recomputing:
+            non_finite_counter(weight.device).add_(~keep & ~torch.isfinite(amax_value))
         scale = quantize.current_scale(amax_value, dtype, q.power_2_scale, q.amax_epsilon)
         index = 0
     w, w_t = cached
