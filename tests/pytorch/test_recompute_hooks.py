@@ -13,6 +13,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, RecomputeStateError
+from transformer_engine.pytorch.scaling import ScalingState
 from helpers import (CLEAN, REENTRANT, STASH_KEY, assert_runs_equal, capture, global_state,
                      stash_count)
 
@@ -113,13 +114,25 @@ def test_hooks_have_te_signatures():
         assert params == ["fp8_meta"], f"{name}{params}"
 
 
-@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling()], ids=["no-recipe", "current"])
-def test_hooks_are_no_ops_without_delayed_scaling_state(recipe):
-    """As TE's: a module with no delayed-scaling state has nothing to stash or swap."""
-    meta = {"recipe": recipe, "scaling_fwd": None, "scaling_bwd": None}
-    for name in HOOKS:
-        assert getattr(FP8GlobalStateManager, name)(meta) is None
-    assert meta == {"recipe": recipe, "scaling_fwd": None, "scaling_bwd": None}
+@pytest.mark.parametrize("recipe, state", [(None, False), (Float8CurrentScaling(), False),
+                                           (Float8CurrentScaling(), True)],
+                         ids=["no-recipe", "current", "current-after-delayed"])
+def test_hooks_are_no_ops_without_delayed_scaling_state(recipe, state):
+    """As TE's: a module whose recipe keeps no delayed-scaling state (also one that
+    ran delayed scaling before, so still holds its scales) has nothing to stash or
+    swap, inside a checkpoint as outside."""
+    fwd = ScalingState.new(2, 2, "cpu") if state else None
+    meta = {"recipe": recipe, "scaling_fwd": fwd, "scaling_bwd": None}
+
+    def region(h):
+        for name in HOOKS:
+            assert getattr(FP8GlobalStateManager, name)(meta) is None
+        return h * 2
+
+    with te.autocast(recipe=Float8CurrentScaling()):
+        te.checkpoint(region, torch.ones(2, requires_grad=True)).sum().backward()
+    assert meta == {"recipe": recipe, "scaling_fwd": fwd, "scaling_bwd": None}
+    assert stash_count() == 0
 
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)

@@ -102,6 +102,26 @@ def test_grad_enabled_inside_a_no_grad_call_is_a_training_forward(use_reentrant)
     assert stash_count() == 0
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_both_phases_see_grad_mode_and_arguments_as_the_plain_call(use_reentrant, grad):
+    """Inside the function, each phase sees the grad mode and its argument's
+    ``requires_grad`` that the call without checkpointing sees."""
+    seen = []
+
+    def region(h):
+        seen.append((torch.is_grad_enabled(), h.requires_grad))
+        return h.sin()              # saves h: the non-reentrant recompute runs too
+
+    x = torch.randn(4, requires_grad=True)
+    with torch.set_grad_enabled(grad):
+        region(x)
+        y = te.checkpoint(region, x, use_reentrant=use_reentrant)
+    if grad:
+        y.sum().backward()
+    assert seen == [(grad, True)] * (3 if grad else 2)
+
+
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_no_grad_module_recompute_leaves_its_live_history_alone(use_reentrant):
     """A module under ``no_grad`` inside the region is never registered for an update,

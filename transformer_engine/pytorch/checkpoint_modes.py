@@ -67,7 +67,7 @@ class _CheckpointCall:
     def __init__(self, function: Callable, tracker, context_fn):
         self.function = function
         self.frame = RecomputeFrame()
-        self.training = recompute.is_training_forward()   # inherited inside a reentrant phase 1
+        self.training = recompute.is_training_forward()   # a client's no_grad first forward too
         self.rng = RngSnapshot(tracker)
         self.frame.rng_graph_safe = self.rng.graph_safe
         self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()

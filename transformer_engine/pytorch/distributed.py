@@ -80,7 +80,9 @@ def activation_recompute_forward(activation_recompute: bool = False,
     if not recompute_phase:
         frame = RecomputeFrame()
         # The client runs this forward under no_grad to keep nothing; it is a training
-        # forward all the same (amaxes recorded, as without recompute).
+        # forward all the same (amaxes recorded, as without recompute). Unlike
+        # te.checkpoint's (NOTE [Reentrant phase 1]), a no_grad branch inside it
+        # cannot be told apart and counts as training too.
         with recompute.enter(frame, recomputing=False, training_under_no_grad=True):
             yield
         with _LEGACY_LOCK:
