@@ -179,8 +179,11 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
         Passed to ``function``; non-tensor arguments pass through untouched.
     use_reentrant : bool, default True
         True: an autograd Function that re-runs ``function`` in its backward (not
-        usable with ``torch.autograd.grad``; ``retain_graph`` works). False: saved-
-        tensor hooks that recompute the whole function at the first unpack.
+        usable with ``torch.autograd.grad``; ``retain_graph`` works); its first
+        forward runs under the call site's grad mode and drops its graph when it
+        returns, so ``function`` sees the grad mode a plain call would (NOTE
+        [Reentrant phase 1] in checkpoint_modes.py). False: saved-tensor hooks that
+        recompute the whole function at the first unpack.
     distribute_saved_activations : bool, default False
         Reentrant only: keep 1/tp of the first tensor argument per rank of
         ``tp_group`` (needs an initialized process group), gathered for the recompute.
