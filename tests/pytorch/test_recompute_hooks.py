@@ -6,6 +6,8 @@ run stays bit-identical to the same run without checkpointing."""
 import collections
 import contextlib
 import inspect
+import pathlib
+import re
 
 import pytest
 import torch
@@ -156,3 +158,12 @@ def test_a_swap_wrapper_that_skips_the_original_is_refused(use_reentrant, monkey
         loss.backward()
     assert layer.fp8_meta["scaling_fwd"] is live
     assert global_state() == CLEAN
+
+
+def test_the_documented_example_runs():
+    """docs/recompute_hooks.md: its code block runs as printed."""
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "recompute_hooks.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "recompute_hooks.md", "exec"), {"__name__": "recompute_hooks_doc"})
+    assert inspect.getattr_static(FP8GlobalStateManager, HOOKS[0]).__class__ is classmethod
