@@ -26,6 +26,7 @@ failed to apply (its line changed: update it), and the unmutated baseline passed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -120,7 +121,7 @@ MUTANTS = [
            "if id(module) not in self.modes:",
            "if True:",
            "a module's recorded mode is that of its last phase-1 call, not its first",
-           (ROB, REPLAY)),
+           (ROB, REPLAY, INV)),
 
     # ---- checkpoint_modes.py: the two checkpoint implementations -----------------------------
     Mutant("M10", PT + "checkpoint_modes.py",
@@ -371,6 +372,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target", type=float, default=95.0, help="score to reach, in %%")
     parser.add_argument("--skip-baseline", action="store_true",
                         help="do not run the unmutated tests first")
+    parser.add_argument("--tests", nargs="+",
+                        help="run these pytest arguments for every chosen mutant instead of its "
+                             "own selection (to check that one test kills a mutant)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = parser.parse_args(argv)
 
@@ -378,6 +382,8 @@ def main(argv=None) -> int:
     if len(set(ids)) != len(ids):
         raise SystemExit("duplicate mutant ids")
     chosen = [m for m in MUTANTS if not args.only or m.id in args.only]
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests)) for m in chosen]
     if args.list:
         for m in chosen:
             mark = " (equivalent)" if m.equivalent else ""

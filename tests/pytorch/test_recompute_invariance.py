@@ -382,3 +382,50 @@ def test_autograd_grad_inside_an_enclosing_reentrant_first_forward(monkeypatch):
     for i, j in ((0, 0), (1, 0), (2, 0), (3, 1), (4, 0)):
         assert torch.equal(swapped[i], stashed[j]), f"swap {i}: {swapped[i]} vs {stashed[j]}"
     assert_runs_equal([ref], [got])
+
+
+# ---- module modes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_mode_switched_between_calls_inside_the_function(use_reentrant):
+    """The function puts a dropout in eval mode between two calls of it and back after:
+    the recompute starts each module in the mode of its *first* call, so both calls
+    draw (or skip) their masks as in the first forward."""
+    def run(checkpointed):
+        torch.manual_seed(0)
+        lin, drop = te.Linear(32, 32), torch.nn.Dropout(0.5)
+
+        def region(h):
+            h = drop(h)
+            drop.eval()
+            h = drop(h * 2.0)
+            drop.train()
+            with te.autocast(recipe=DELAYED):
+                return lin(h)
+
+        x = torch.randn(16, 32).requires_grad_()
+        loss = maybe_checkpoint(checkpointed, use_reentrant, region, x).pow(2).mean()
+        loss.backward()
+        return capture(loss, [x], list(lin.parameters()), [lin])
+
+    assert_runs_equal([run(False)], [run(True)])
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_an_output_viewing_an_intermediate_can_be_changed_in_place(use_reentrant):
+    """The function returns a view of one of its intermediates, which the caller then
+    scales in place: allowed, with the plain call's gradients (the reentrant first
+    forward hands back outputs cut from its own graph, not views made in it)."""
+    def run(checkpointed):
+        torch.manual_seed(0)
+        lin = te.Linear(32, 32)
+        x = torch.randn(16, 32).requires_grad_()
+        y = maybe_checkpoint(checkpointed, use_reentrant, lambda h: lin(h)[:, :16], x)
+        y.mul_(2.0)
+        loss = y.pow(2).mean()
+        loss.backward()
+        return capture(loss, [x], list(lin.parameters()), [lin])
+
+    assert_runs_equal([run(False)], [run(True)])
