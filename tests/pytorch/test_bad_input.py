@@ -736,7 +736,7 @@ PAYLOAD_CASES = [
           "history-too-long"),
     _case(_edit(_set_recipe("amax_compute_algo", collections.OrderedDict)),
           ValueError, INVALID + r"recipe: amax_compute_algo must be one of \('max', "
-          r"'most_recent'\), got <class 'collections.OrderedDict'>", "recipe-callable-amax-algo"),
+          r"'most_recent'\), got <global collections.OrderedDict>", "recipe-callable-amax-algo"),
     _case(_edit(_set_recipe("scaling_factor_compute_algo", collections.OrderedDict)),
           ValueError, INVALID + "recipe: scaling_factor_compute_algo must be None",
           "recipe-callable-scale-algo"),
@@ -757,12 +757,12 @@ PAYLOAD_CASES = [
           "FP8 extra state never holds", "recipe-unknown-type"),
     _case(_edit(_set("recipe", lambda r: [r])), ValueError,
           "recipe: expected None or a DelayedScaling, Float8CurrentScaling or "
-          "Float8BlockScaling, got list", "recipe-list"),
+          r"Float8BlockScaling, got \[<DelayedScaling object>\]", "recipe-list"),
     _case(_edit(_set("recipe", lambda r: print)), ValueError,
           INVALID + "it refers to builtins.print, which an FP8 extra state never holds",
           "unsafe-pickle"),
     _case(lambda p: _encode([1, 2, 3]), ValueError,
-          INVALID + r"expected a dict with keys 'recipe' and 'extra_fp8_variables' .*got list",
+          INVALID + r"expected a dict with keys 'recipe' and 'extra_fp8_variables' .*got \[1, 2, 3\]",
           "payload-list"),
     _case(lambda p: p[: p.numel() // 2].clone(), ValueError,
           INVALID + r"its bytes are not a complete pickle \(truncated or corrupted",
@@ -784,8 +784,8 @@ PAYLOAD_CASES = [
           r"expected a dict with keys \['recipe', 'scaling_bwd', 'scaling_fwd'\], got "
           r"\['recipe', 'scaling_bwd', 'scaling_fwd', 'version'\]", "archive-extra-key"),
     _case(_archive(lambda d: d.update(recipe=print)), ValueError,
-          INVALID + r"torch.load\(weights_only=True\) refuses its contents \(objects other than "
-          "tensors and plain Python values", "archive-unsafe"),
+          INVALID + r"it refers to __builtin__.print, which an FP8 extra state never holds",
+          "archive-unsafe"),
     _case(lambda p: _archive(lambda d: None)(p)[:200].clone(), ValueError,
           INVALID + r"its bytes are not a complete torch.save archive \(truncated or corrupted",
           "archive-truncated"),

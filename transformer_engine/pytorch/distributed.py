@@ -22,7 +22,7 @@ from . import recompute
 from .checkpoint_modes import non_reentrant_checkpoint, reentrant_checkpoint
 from .fp8 import FP8GlobalStateManager
 from .recompute import RecomputeFrame, RecomputeStateError
-from .rng import CudaRNGStatesTracker
+from .rng import CudaRNGStatesTracker, get_all_rng_states
 from .utils import check_process_group
 from .tensor_parallel import (gather_split_1d_tensor, get_distributed_rank,
                               get_distributed_world_size, set_tensor_model_parallel_attributes,
@@ -31,7 +31,7 @@ from .tensor_parallel import (gather_split_1d_tensor, get_distributed_rank,
 __all__ = [
     "checkpoint", "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase",
     "activation_recompute_forward",
-    "CudaRNGStatesTracker", "recompute_stash_count",
+    "CudaRNGStatesTracker", "get_all_rng_states", "recompute_stash_count",
     "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
     "get_distributed_world_size", "get_distributed_rank", "set_tensor_model_parallel_attributes",
 ]

@@ -20,8 +20,13 @@ NOTE [Attention masks]
                    definition), intersected with the mask type's own rule.
 
     A query row left with no key (bottom-right causal with more queries than keys,
-    a window past the keys) outputs 0 with zero gradients: its row is opened for the
-    kernel and its output zeroed, so no backend ever sees an empty softmax.
+    a window past the keys, an arbitrary mask that masks a whole row) outputs 0 with
+    zero gradients: its row is opened for the kernel and its output zeroed, so no
+    backend ever sees an empty softmax. This is done on the device for every built
+    mask, whether or not a row is empty: building a mask reads nothing back to the
+    host, so a CUDA graph can capture it (``te.make_graphed_callables`` with an
+    ``attention_mask`` in ``sample_kwargs``). ``cu_seqlens`` are checked on the host
+    (their lengths), except while a graph is captured.
 """
 
 from __future__ import annotations
@@ -104,7 +109,8 @@ def _lengths_keep(api: str, cu_seqlens, batch: int, seq: int, which: str,
         raise ValueError(f"{api}: cu_seqlens_{which} must be a 1-D integer tensor of length "
                          f"batch + 1 = {batch + 1}, got {got}")
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
-    if bool((lens < 0).any()) or bool((lens > seq).any()):
+    capturing = lens.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and (bool((lens < 0).any()) or bool((lens > seq).any())):
         raise ValueError(f"{api}: cu_seqlens_{which} must give lengths in [0, {seq}], got "
                          f"{lens.tolist()}")
     return torch.arange(seq, device=device).reshape(1, seq) < lens.reshape(batch, 1)
@@ -173,11 +179,12 @@ def build_core_mask(api: str, mask_type: str, window: Optional[Tuple[int, int]],
             allowed = allowed & (j <= i + off + right)
     if mask_type == "arbitrary":
         allowed = allowed & ~_arbitrary(api, attention_mask, batch, heads, sq, skv, device)
+    # rows with no key are opened and their output zeroed, on the device: no host read
+    # of the mask (a CUDA graph captures this, NOTE [Attention masks])
     row_open = allowed.any(-1, keepdim=True)
     out_keep = None if q_keep is None else q_keep.reshape(batch, 1, sq, 1)
-    if not bool(row_open.all()):
-        allowed = allowed | ~row_open
-        out_keep = row_open if out_keep is None else out_keep & row_open
+    allowed = allowed | ~row_open
+    out_keep = row_open if out_keep is None else out_keep & row_open
     return CoreMask(allowed, False, out_keep)
 
 

@@ -4,6 +4,7 @@ that ties a module to the FP8 autocast and to activation recompute."""
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -14,7 +15,7 @@ from .. import delayed_scaling, distributed, recompute
 from ..fp8 import RECOMPUTE_STASH_KEY, FP8GlobalStateManager
 from ..model_init import model_init_state
 from ..scaling import ScalingState
-from ..tensor import Float8Tensor
+from ..tensor import Float8Tensor, QuantizedTensor
 from . import extra_state, fp8_params
 from .params import ParameterInitMixin
 
@@ -160,6 +161,29 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             state = self.fp8_meta["scaling_fwd"]
         return state
 
+    def _apply(self, fn, *args, **kwargs):
+        """``nn.Module._apply`` (``.to``, ``.half()``, ``.cuda()``, ``.cpu()``), keeping
+        what was attached to a quantized parameter. torch moves a tensor subclass with
+        ``torch.utils.swap_tensors``, which exchanges the parameter's whole
+        ``__dict__``: its FP8 data comes over, and everything set on it from outside
+        (``get_high_precision_init_val``, ``main_grad``, tensor-parallel marks) would
+        be left on the discarded tensor. Methods bound to the old tensor are bound to
+        the surviving one."""
+        kept = {name: (param, dict(param.__dict__)) for name, param in self._parameters.items()
+                if isinstance(param, QuantizedTensor)}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, (old, attrs) in kept.items():
+            new = self._parameters.get(name)
+            if new is None:
+                continue
+            for key, value in attrs.items():
+                if key in new.__dict__:
+                    continue            # the moved tensor's own state
+                if isinstance(value, types.MethodType) and value.__self__ is old:
+                    value = types.MethodType(value.__func__, new)
+                setattr(new, key, value)
+        return out
+
     def __setstate__(self, state) -> None:
         # pickling leaves a Float8Tensor's quantizer behind: bind this module's again
         super().__setstate__(state)
@@ -250,6 +274,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
                             f"True or False, got {is_first_microbatch!r}")
         fp8, calibrating, recipe = self._take_autocast_state()
+        if recipe is not None and self.fp8_weight_recipe is not None:
+            fp8_params.check_weight_recipes(self, recipe)
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
                            is_first_microbatch=is_first_microbatch)
         skip = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
@@ -282,7 +308,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def get_extra_state(self) -> torch.Tensor:
         """The FP8 state (recipe, scales, amax histories) as a uint8 tensor in TE's
         layout, so that it travels in ``state_dict()`` (NOTE [FP8 extra state
-        payload])."""
+        payload]); an `ExtraStateTensor`, which ``torch.distributed.checkpoint`` loads
+        into a model of any FP8 state (NOTE [FP8 extra state in distributed
+        checkpoints])."""
         return extra_state.save_fp8_state(self.fp8_meta, self._fp8_layout())
 
     def _fp8_layout(self) -> extra_state.Layout:

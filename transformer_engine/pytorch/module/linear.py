@@ -18,6 +18,7 @@ from ..tensor import QuantizedTensor
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
+from .backward_override import backward_override, operands_to_save, override_grads
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
 from .fp8_operands import cast_operand, forward_operands
@@ -91,15 +92,25 @@ class _FP8LinearFunction(torch.autograd.Function):
         state = fp8_meta["scaling_fwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        override = backward_override(plan.recipe)
+        fp8_backward = override is None
         with no_autocast(x.device.type):
             (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state, i,
-                                                          gemm, fmt.dtype_fwd, need_wgrad,
-                                                          need_dgrad)
+                                                          gemm, fmt.dtype_fwd,
+                                                          need_wgrad and fp8_backward,
+                                                          need_dgrad and fp8_backward)
             y = _gemm(x_fp8, w_fp8, call.out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
-        (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
-        (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
-        ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
+        ctx.override = override
+        if fp8_backward:
+            (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
+            (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
+            ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
+        else:       # NOTE [Backward override] in backward_override.py
+            x_kept, w_kept = operands_to_save(override, x, weight, x_fp8, w_fp8, need_dgrad,
+                                              need_wgrad)
+            ctx.save_for_backward(*_saved_any(x_kept, "x_kind", ctx),
+                                  *_saved_any(w_kept, "w_kind", ctx))
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.main_grad_weight = weight if call.fuse_wgrad else None
@@ -108,6 +119,8 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        if ctx.override is not None:
+            return _override_backward(ctx, dy)
         x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv = ctx.saved_tensors
         plan: ForwardPlan = ctx.plan
         fmt = plan.recipe.fp8_format.value
@@ -132,13 +145,47 @@ class _FP8LinearFunction(torch.autograd.Function):
                 else:       # NOTE [Fused wgrad accumulation] in main_grad.py
                     wgrad = accumulate_into_main_grad(
                         ctx.main_grad_weight, _gemm(dy_t, x_t, torch.float32, fast_accum=fast))
-            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                # float32 accumulation (torch's for 16-bit sums too), rounded once
-                dbias = (dy.sum(0) if dy.dtype == ctx.bias_dtype
-                         else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
+            dbias = _dbias(ctx, dy)
         if plan.session is not None:
             request_backward_update(plan.session)
         return dgrad, wgrad, dbias, None
+
+
+def _dbias(ctx, dy: torch.Tensor) -> Optional[torch.Tensor]:
+    """The bias gradient: float32 accumulation (torch's for 16-bit sums too), rounded once."""
+    if ctx.bias_dtype is None or not ctx.needs_input_grad[2]:
+        return None
+    return (dy.sum(0) if dy.dtype == ctx.bias_dtype
+            else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
+
+
+def _saved_any(operand, kind_name: str, ctx):
+    """Two saved-tensor slots for an operand kept by a backward override: a plain
+    tensor (and None), or an FP8 operand's data and ``scale_inv`` (`_saved`)."""
+    if isinstance(operand, torch.Tensor):
+        setattr(ctx, kind_name, torch.Tensor)
+        return operand, None
+    pair, kind = _saved(operand)
+    setattr(ctx, kind_name, kind)
+    return pair
+
+
+def _restored_any(kind, first, second):
+    if kind is torch.Tensor or kind is None:
+        return first
+    return _restored(kind, first, second)
+
+
+def _override_backward(ctx, dy: torch.Tensor):
+    """NOTE [Backward override] in backward_override.py: no FP8 in the backward."""
+    x_a, x_b, w_a, w_b = ctx.saved_tensors
+    with no_autocast(dy.device.type):
+        dy = dy.contiguous()
+        dgrad, wgrad = override_grads(dy, _restored_any(ctx.x_kind, x_a, x_b),
+                                      _restored_any(ctx.w_kind, w_a, w_b), ctx.x_dtype,
+                                      ctx.w_dtype, ctx.main_grad_weight)
+        dbias = _dbias(ctx, dy)
+    return dgrad, wgrad, dbias, None
 
 
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FusibleOperation", "Sequential", "BasicLinear", "Bias", "GELU", "GEGLU", "ReLU",
-           "ReGLU", "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce", "ReduceScatter"]
+           "ReGLU", "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce", "ReduceScatter",
+           "MakeExtraOutput"]
 
 
 def _refuse(name: str):
@@ -85,3 +86,8 @@ class AllReduce(FusibleOperation):
 
 class ReduceScatter(FusibleOperation):
     """TE's reduce-scatter operation over a process group; not constructible here."""
+
+
+class MakeExtraOutput(FusibleOperation):
+    """TE's operation that forks its input into an extra output (Megatron-LM's fused
+    residual RMSNorm); not constructible here."""
