@@ -102,9 +102,10 @@ MUTANTS = [
            "if len(frames) == 1:      # one phase-1 frame",
            "the stash fast path also takes a single recomputing frame",
            CORE,
-           equivalent="stash() is reached only from the copy hook, which a module calls only "
-                      "outside the recompute phase; with one frame on the stack that frame is "
-                      "then a recording one, so the changed condition never decides anything"),
+           equivalent="stash() is reached only from the copy hook, which this package's modules "
+                      "call only outside the recompute phase; with one frame on the stack that "
+                      "frame is then a recording one, so the changed condition never decides "
+                      "anything"),
     Mutant("M07", PT + "recompute.py",
            "return torch.is_grad_enabled() or _THREAD.position.training_under_no_grad",
            "return torch.is_grad_enabled()",
