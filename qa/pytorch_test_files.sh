@@ -33,6 +33,8 @@ TESTS=(
     tests/pytorch/test_non_finite_amax.py
     tests/pytorch/test_host_overhead.py
     tests/pytorch/test_recompute_edges.py
+    tests/pytorch/test_recompute_hooks.py
+    tests/pytorch/test_recompute_invariance.py
     tests/pytorch/test_module_copies.py
     tests/pytorch/test_graph.py
     tests/pytorch/test_graph_api.py

@@ -146,13 +146,14 @@ def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int = 1,
 
 def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scale: bool,
                 amax_epsilon: float, rowwise: bool = True, columnwise: bool = False,
-                count_where: Optional[torch.Tensor] = None
+                count_where: Optional[torch.Tensor] = None, count_non_finite: bool = True
                 ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """``(rowwise, columnwise)`` copies of a 2-D ``x`` [R, C], each None unless asked
     for: ``rowwise`` [R, C] with blocks along C, ``columnwise`` [C, R] with blocks along
     R (NOTE [Block scaling layout]). A NaN or inf in ``x`` is counted once (NOTE
     [Non-finite amaxes] in amax_update.py); with ``count_where`` (a bool scalar
-    tensor) only where it is True (a cast the device may discard)."""
+    tensor) only where it is True (a cast the device may discard); not at all with
+    ``count_non_finite=False`` (a recompute's cast)."""
     row = col = None
     amaxes = None
     if rowwise or (columnwise and block_rows == BLOCK):
@@ -162,7 +163,7 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_sc
             col = row.t_contiguous()
         else:
             col, amaxes = _quantize(x.t(), dtype, 1, power_2_scale, amax_epsilon)
-    if amaxes is not None and amaxes.numel() > 0:
+    if count_non_finite and amaxes is not None and amaxes.numel() > 0:
         non_finite = ~torch.isfinite(amaxes.amax())
         if count_where is not None:
             non_finite = non_finite & count_where
@@ -171,14 +172,15 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_sc
 
 
 def cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, rowwise: bool,
-                  columnwise: bool, count_where: Optional[torch.Tensor] = None
+                  columnwise: bool, count_where: Optional[torch.Tensor] = None,
+                  count_non_finite: bool = True
                   ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """`cast_blocks` with the block shape and `QParams` that a Float8BlockScaling
     ``recipe`` gives the tensors of ``role``: "fwd_inp", "fwd_weight" or "bwd_grad"."""
     q = getattr(recipe, "fp8_quant_" + role)
     block_rows = BLOCK if getattr(recipe, _ROLE_DIM_FIELDS[role]) == 2 else 1
     return cast_blocks(x, dtype, block_rows, q.power_2_scale, q.amax_epsilon, rowwise,
-                       columnwise, count_where)
+                       columnwise, count_where, count_non_finite)
 
 
 def block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,

@@ -13,7 +13,7 @@ import torch
 
 from ...common.recipe import DelayedScaling, Recipe
 from .. import delayed_scaling, distributed, recompute
-from ..fp8 import FP8GlobalStateManager
+from ..fp8 import RECOMPUTE_STASH_KEY, FP8GlobalStateManager
 from ..model_init import model_init_state
 from ..scaling import ScalingState
 from ..tensor import Float8Tensor, QuantizedTensor
@@ -103,6 +103,14 @@ class _ForwardScope:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.swapped_meta is not None:
             FP8GlobalStateManager.restore_fp8_meta_tensors(self.swapped_meta)
+
+
+def _no_stash_swapped_in(module) -> recompute.RecomputeStateError:
+    return recompute.RecomputeStateError(
+        f"{module.named_api('te.' + type(module).__name__)}: the recompute found no FP8 stash in "
+        "fp8_meta after FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(fp8_meta); "
+        "a wrapper installed on that hook must call the original. Refusing to recompute with "
+        "the live (already updated) scales.")
 
 
 class TransformerEngineBaseModule(ParameterInitMixin):
@@ -292,12 +300,16 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             plan.is_first_microbatch, plan.skip_weight_update = False, skip
         swapped = False
         if distributed.in_fp8_activation_recompute_phase():
+            plan.recomputing = True
             if fp8 and plan.delayed:
-                entry = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)
-                plan.session, plan.stash, plan.recomputing = entry.session, entry, True
+                # the hooks return nothing (TE's signatures): the stash comes in fp8_meta
+                FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)
                 swapped = True
-            else:
-                plan.recomputing = True
+                entry = self.fp8_meta.get(RECOMPUTE_STASH_KEY)
+                if entry is None:
+                    FP8GlobalStateManager.restore_fp8_meta_tensors(self.fp8_meta)
+                    raise _no_stash_swapped_in(self)
+                plan.session, plan.stash = entry.session, entry
         elif plan.delayed:
             if recompute.is_training_forward():
                 plan.record_amax = True
@@ -305,8 +317,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                 if fp8:
                     plan.session = FP8GlobalStateManager.current_session()
             if distributed.is_fp8_activation_recompute_enabled():
-                plan.stash = FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
-                    self.fp8_meta, plan.session)
+                FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(self.fp8_meta)
+                plan.stash = self.fp8_meta.pop(RECOMPUTE_STASH_KEY, None)
         return _ForwardScope(plan, self.fp8_meta if swapped else None)
 
     # ---- FP8 state in state_dict (NOTE [FP8 extra state payload]) -------------------

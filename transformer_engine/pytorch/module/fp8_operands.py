@@ -63,11 +63,15 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
         return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                                  state.amax_history if record else None,
                                                  data, transpose)
+    # a recompute counts no non-finite amax: its first forward did (NOTE [Non-finite amaxes])
+    count = not plan.recomputing
     if plan.recipe.float8_block_scaling():
-        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
+        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose,
+                                           count_non_finite=count)
     q = getattr(plan.recipe, "fp8_quant_" + role)
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
-                                         non_finite_counter(x.device), data, transpose)
+                                         non_finite_counter(x.device) if count else None,
+                                         data, transpose)
 
 
 def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict,
@@ -136,7 +140,8 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
     if plan.recipe.float8_block_scaling():
         w, w_t = cached
         fresh, fresh_t = block_scaling.cast_for_role(plan.recipe, "fwd_weight", weight, dtype,
-                                                     True, w_t is not None, count_where=~keep)
+                                                     True, w_t is not None, count_where=~keep,
+                                                     count_non_finite=not plan.recomputing)
         _keep_or_copy(keep, w, fresh)
         if w_t is not None:
             _keep_or_copy(keep, w_t, fresh_t)
@@ -149,7 +154,8 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
             slot.copy_(torch.where(keep, slot, torch.maximum(slot, amax_value)))
     else:
         q = plan.recipe.fp8_quant_fwd_weight
-        non_finite_counter(weight.device).add_(~keep & ~torch.isfinite(amax_value))
+        if not plan.recomputing:
+            non_finite_counter(weight.device).add_(~keep & ~torch.isfinite(amax_value))
         scale = quantize.current_scale(amax_value, dtype, q.power_2_scale, q.amax_epsilon)
         index = 0
     w, w_t = cached
