@@ -10,7 +10,7 @@ version = re.search(r'__version__ = "([^"]+)"',
 
 # The distribution is named as TE's, so that clients which look TE up by its metadata
 # (importlib.metadata "transformer-engine", as HF Accelerate does) find this package;
-# the version's local label "+pure" says which implementation it is (README).
+# the version's local label "+pure" says which implementation it is (docs/package-identity.md).
 setup(
     name="transformer_engine",
     version=version,
@@ -18,6 +18,29 @@ setup(
                 "API, with FP8-aware activation checkpointing",
     long_description=Path("README.rst").read_text(),
     long_description_content_type="text/x-rst",
+    # Apache-2.0, the licence of NVIDIA's Transformer Engine, whose API this follows.
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    # This project has no public home page; the links are NVIDIA's documentation of the
+    # API it implements (docs/package-identity.md).
+    project_urls={
+        "Upstream API docs (NVIDIA TE)":
+            "https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/api/pytorch.html",
+        "Upstream user guide (NVIDIA TE)":
+            "https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/index.html",
+    },
+    keywords=["fp8", "pytorch", "transformer engine", "activation checkpointing",
+              "mixed precision"],
+    classifiers=[
+        "Development Status :: 4 - Beta",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=find_packages(include=["transformer_engine", "transformer_engine.*"]),
     python_requires=">=3.10",
     # torch is not pinned here (the GPU machine has 2.11); CI pins torch==2.13.0 itself.

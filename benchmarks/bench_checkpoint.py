@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
-from common import environment, table, write_json  # noqa: E402
+from common import add_out_argument, environment, table, write_json  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
 from transformer_engine.pytorch import amax_update as update_module  # noqa: E402
 from transformer_engine.pytorch.fp8 import (RECOMPUTE_STASH_KEY,  # noqa: E402
@@ -261,7 +261,7 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one step of each mode on the GPU (busy vs idle)")
     p.add_argument("--name", default="bench_checkpoint", help="JSON file name prefix")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_checkpoint.py: needs a CUDA GPU")

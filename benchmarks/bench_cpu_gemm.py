@@ -30,7 +30,7 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import environment, table, write_json  # noqa: E402
+from common import add_out_argument, environment, table, write_json  # noqa: E402
 from transformer_engine.pytorch import quantize  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-s", type=float, default=2.0,
                         help="a call slower than this is timed once")
-    parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(parser)
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     torch.manual_seed(0)

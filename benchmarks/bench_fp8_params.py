@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
-from common import environment, table, write_json  # noqa: E402
+from common import add_out_argument, environment, table, write_json  # noqa: E402
 
 RECIPE = DelayedScaling()
 MiB = 1 << 20
@@ -67,7 +67,7 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(p)
     args = p.parse_args()
     x = torch.randn(args.seq, 1, args.hidden, device="cuda", dtype=torch.bfloat16)
     variants = {}

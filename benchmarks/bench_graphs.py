@@ -36,7 +36,7 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 import torch  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
-from common import environment, median_ms, table, write_json  # noqa: E402
+from common import add_out_argument, environment, median_ms, table, write_json  # noqa: E402
 from linear_steps import (BF16, bare_gemms, graph_columns, host_wall_us, nn_step,  # noqa: E402
                           parse_shapes, te_step, timed)
 from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
@@ -147,7 +147,7 @@ def main(argv=None):
     p.add_argument("--parts", default="linear,model", help="which parts to run")
     p.add_argument("--kernels", action="store_true", help="profile the graphed model steps")
     p.add_argument("--rep-ms", type=float, default=200)
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_graphs.py: needs a CUDA GPU")

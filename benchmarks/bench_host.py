@@ -34,7 +34,7 @@ one allocation) next to the whole forward and ``torch.nn.Linear``'s; with ``--ba
 it calls the baseline's private cast and GEMM functions, so both trees need them.
 
 The table is printed last; the JSON (card or CPU model, versions, shapes, medians,
-op counts, command) goes to ``--out`` (default ``benchmarks/results``).
+op counts, command) goes to ``--out`` (default ``benchmarks/out``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
 from bench_cpu_gemm import cpu_model  # noqa: E402
-from common import environment, table, write_json  # noqa: E402
+from common import add_out_argument, environment, table, write_json  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
 VARIANTS = ("nn", "te_hp", "te_delayed", "te_current")
@@ -337,7 +337,7 @@ def main(argv=None):
     p.add_argument("--parts", action="store_true",
                    help="also time the pieces of one te.Linear forward (host us per call)")
     p.add_argument("--name", default="bench_host")
-    p.add_argument("--out", default=os.path.join(_BENCH, "results"))
+    add_out_argument(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 

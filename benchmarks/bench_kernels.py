@@ -28,7 +28,7 @@ scaling. Timed (median of CUDA-event-timed repeats, L2 flushed between them:
   write bytes over time). The byte counts per producer are in docs/fused_kernels.md.
 
 Printed: a table per run (ms, and fused time as a fraction of the floor); the JSON
-goes to ``--out`` (default benchmarks/results).
+goes to ``--out`` (default benchmarks/out).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 
 import torch  # noqa: E402
 
-from common import environment, median_ms, table, write_json  # noqa: E402
+from common import add_out_argument, environment, median_ms, table, write_json  # noqa: E402
 from transformer_engine.pytorch import quantize  # noqa: E402
 from transformer_engine.pytorch.kernel_config import kernel_config  # noqa: E402
 from transformer_engine.pytorch.module.layernorm import normalize  # noqa: E402
@@ -159,7 +159,7 @@ def main(argv=None):
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--rep-ms", type=float, default=100)
     p.add_argument("--name", default="bench_kernels", help="the JSON file's name (before the card)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py: needs a CUDA GPU")

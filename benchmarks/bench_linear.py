@@ -38,7 +38,7 @@ After the shapes: a cProfile of te's tiny step (Python functions by own time) an
 with ``--profile``, a torch.profiler breakdown of the steps by kernel.
 
 TFLOP/s = 6 M K N / time. The table is printed last; the JSON (card, versions,
-shapes, medians, command) goes to ``--out`` (default ``benchmarks/results``).
+shapes, medians, command) goes to ``--out`` (default ``benchmarks/out``).
 ``--tune`` times tile settings of the fused cast kernel.
 """
 
@@ -55,7 +55,7 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 
 import torch  # noqa: E402
 
-from common import environment, median_ms, table, write_json  # noqa: E402
+from common import add_out_argument, environment, median_ms, table, write_json  # noqa: E402
 from transformer_engine.pytorch import quantize  # noqa: E402
 from transformer_engine.pytorch.kernel_config import get_kernel_config, kernel_config  # noqa: E402
 from linear_steps import (BF16, DEFAULT_SHAPES, E4M3, GRAPH_HEADER, bare_gemms,  # noqa: E402
@@ -214,7 +214,7 @@ def main(argv=None):
     p.add_argument("--profile", type=parse_shapes, default=[], help="MxKxN to profile by kernel")
     p.add_argument("--tune", action="store_true")
     p.add_argument("--rep-ms", type=float, default=300)
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear.py: needs a CUDA GPU")

@@ -27,7 +27,7 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks"), os.path.join(_ROOT, "e
 
 import torch  # noqa: E402
 
-from common import environment, table, write_json  # noqa: E402
+from common import add_out_argument, environment, table, write_json  # noqa: E402
 from train_gpt import build_parser, describe, train  # noqa: E402
 
 CONFIGS = {"fp8": dict(fp8=True, bf16=True), "bf16": dict(fp8=False, bf16=True)}
@@ -55,7 +55,7 @@ def main(argv=None):
     parser.set_defaults(device="cuda", steps=40, layers=8, heads=8, quiet=True)
     parser.add_argument("--hiddens", default="512,1024", help="comma-separated hidden sizes")
     parser.add_argument("--skip", type=int, default=5, help="steps left out of the median")
-    parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_train_gpt.py: needs a CUDA GPU")

@@ -22,7 +22,7 @@ step (``max_memory_allocated`` after ``reset_peak_memory_stats``; the model,
 gradients, AdamW state and input are in it) and the memory held before it (model,
 AdamW state, input; the graphs' pools for graphed rows). FP8 / BF16 is BF16's step
 time over the FP8 row's, same hidden size and mode. The table is printed last; the
-JSON (card, versions, command, every row) goes to ``--out`` (benchmarks/results).
+JSON (card, versions, command, every row) goes to ``--out`` (default benchmarks/out).
 ``--fused-producers 0`` runs with the fused producer kernels off (NOTE [Fused
 producers]), for comparison.
 """
@@ -42,7 +42,7 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 import torch  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
-from common import environment, table, write_json  # noqa: E402
+from common import add_out_argument, environment, table, write_json  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from transformer_engine.pytorch.kernel_config import kernel_config  # noqa: E402
 
@@ -133,7 +133,7 @@ def main(argv=None):
     p.add_argument("--fused-producers", type=int, default=1, choices=(0, 1))
     p.add_argument("--name", default="bench_transformer_layers",
                    help="the JSON file's name (before the card)")
-    p.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_transformer_layers.py: needs a CUDA GPU")

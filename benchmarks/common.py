@@ -1,4 +1,9 @@
-"""Shared helpers of the GPU benchmarks: timing, environment record, JSON output."""
+"""Shared helpers of the benchmarks: timing, environment record, JSON output, and where
+the JSON goes.
+
+A benchmark writes its JSON to ``benchmarks/out/`` (git-ignored) unless told otherwise
+with ``--out``: the committed, recorded results in ``benchmarks/results/`` change only
+when asked for (``--out benchmarks/results``)."""
 
 from __future__ import annotations
 
@@ -31,6 +36,17 @@ def environment() -> dict:
     except ImportError:
         env["triton"] = None
     return env
+
+
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(BENCHMARKS, "out")          # git-ignored scratch results
+
+
+def add_out_argument(parser) -> None:
+    """The ``--out`` option every benchmark takes, with the shared default."""
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="folder for the JSON (default: benchmarks/out, git-ignored; pass "
+                             "benchmarks/results to record a result in the repository)")
 
 
 def write_json(result: dict, name: str, out_dir: str) -> str:

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from block_references import hopper_gemm_bound, varied  # noqa: E402
-from common import environment, table, write_json  # noqa: E402
+from common import add_out_argument, environment, table, write_json  # noqa: E402
 from transformer_engine.pytorch.block_scaling import (BLOCK, hardware_operands,  # noqa: E402
                                                       quantize_blocks)
 
@@ -99,7 +99,7 @@ def probe(case):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results"))
+    add_out_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_block_scaled_mm: needs a CUDA GPU")

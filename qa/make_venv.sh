@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
 # Make (or reuse) the project venv and install the package into it with the given
-# extras, against torch==2.13.0 (the CPU build on this kind of machine).
+# extras, against torch==2.13.0 (the CPU build on this kind of machine). Says what it
+# does before each slow step; pip itself runs quietly.
 # Usage: source qa/make_venv.sh [extras]   -> sets VENV_PY
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${TE_VENV:-$ROOT/.venv}"
 EXTRAS="${1:-test}"
+SETUP_START=$SECONDS
+say() { echo "[set-up] $*"; }
 if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV (${PYTHON:-python3} -m venv)"
     "${PYTHON:-python3}" -m venv "$VENV" || return 1 2>/dev/null || exit 1
+else
+    say "reusing $VENV"
 fi
+installed_version() {   # the version of an installed distribution, without importing it
+    "$VENV/bin/python" -c "import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass" "$1"
+}
+case "$(installed_version torch)" in
+    2.13.0|2.13.0+*) say "torch $(installed_version torch) already installed" ;;
+    *) say "installing torch 2.13.0 (CPU) with pip, quietly: the longest step on a new venv" ;;
+esac
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" \
     || return 1 2>/dev/null || exit 1
 # The distribution was once named transformer_engine_pure: drop it (and its build
 # metadata) from a reused venv, else two distributions claim the transformer_engine package.
 if "$VENV/bin/python" -m pip show -q transformer_engine_pure >/dev/null 2>&1; then
+    say "removing the old transformer_engine_pure distribution"
     "$VENV/bin/python" -m pip uninstall -q -y transformer_engine_pure || return 1 2>/dev/null || exit 1
 fi
 rm -rf "$ROOT/transformer_engine_pure.egg-info"
+say "installing transformer_engine (editable, from $ROOT) and its [$EXTRAS] extras"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c <(echo "torch==2.13.0") \
     -e "$ROOT[$EXTRAS]" || return 1 2>/dev/null || exit 1
 # With the test extras, Megatron Core (the client of the Megatron tests) in a step of its
@@ -23,9 +40,13 @@ rm -rf "$ROOT/transformer_engine_pure.egg-info"
 # pip honours only as a whole-command switch; so this step alone ignores it, for the
 # pinned wheels of qa/megatron_requirements.txt only (docs/megatron.md).
 if [[ ",$EXTRAS," == *",test,"* ]]; then
+    say "installing Megatron Core $(sed -n 's/^megatron-core==//p' "$ROOT/qa/megatron_requirements.txt")" \
+        "and its pinned wheels (qa/megatron_requirements.txt: triton, psutil, ...)"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
         --ignore-requires-python -r "$ROOT/qa/megatron_requirements.txt" \
         || return 1 2>/dev/null || exit 1
 fi
+say "environment ready in $((SECONDS - SETUP_START)) s: $VENV/bin/python"
 VENV_PY="$VENV/bin/python"
 export VENV_PY
+unset -f say installed_version

@@ -55,6 +55,7 @@ TESTS=(
     tests/pytorch/test_public_paths.py
     tests/pytorch/test_te_yardstick_harness.py
     tests/pytorch/test_docs_snippets.py
+    tests/pytorch/test_benchmark_out.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py
     tests/pytorch/test_megatron_gpt.py

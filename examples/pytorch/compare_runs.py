@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_engine.pytorch as te
-from train_gpt import GPT, build_parser, describe, get_batch, load_tokens, train
+from train_gpt import GPT, build_parser, check_args, describe, get_batch, load_tokens, train
 
 RUNS = {"fp8-ckpt": dict(fp8=True, checkpoint=True),
         "fp8": dict(fp8=True, checkpoint=False),
@@ -148,6 +148,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not (args.fp8 and args.checkpoint):
         parser.error("compare_runs.py sets --no-fp8 and --no-checkpoint itself, for each run")
+    try:
+        check_args(args)
+    except ValueError as err:
+        parser.error(str(err))
     with deterministic_kernels(args.device == "cuda"):
         runs = {name: run(args, **config) for name, config in RUNS.items()}
     identical = bit_identical(runs["fp8-ckpt"], runs["fp8"])

@@ -40,9 +40,17 @@ from transformer_engine.common.recipe import DelayedScaling, Format
 VOCAB = 256   # bytes
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, except that a bad argument ends the script with one line on stderr
+    (exit code 2) instead of the usage text and the message."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128, help="a multiple of 16 (FP8 GEMMs)")
@@ -70,7 +78,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args) -> None:
-    """Refuse flag combinations that cannot run, with the reason."""
+    """Refuse values and flag combinations that cannot run, with the reason in one line
+    (ValueError), before anything is built."""
+    for name in ("steps", "layers", "hidden", "heads", "seq_len", "batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                             f"got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if not 0 <= args.dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden must be a multiple of --heads ({args.heads}), got {args.hidden}")
+    if args.fp8 and args.layers >= 3:               # some layer runs in FP8
+        if args.hidden % 16:
+            raise ValueError(f"--hidden must be a multiple of 16 (FP8 GEMMs need it), "
+                             f"got {args.hidden}")
+        if args.batch * args.seq_len % 8:
+            raise ValueError(f"--batch x --seq-len must be a multiple of 8 (FP8 GEMMs need it), "
+                             f"got {args.batch} x {args.seq_len} = {args.batch * args.seq_len}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device (torch {torch.__version__} sees none)")
+    if args.data:
+        if not os.path.isfile(args.data):
+            raise ValueError(f"--data: no such file: {args.data}")
+        size, needed = os.path.getsize(args.data), 20 * (args.seq_len + 1)
+        if size < needed:                           # training and validation windows
+            raise ValueError(f"--data: {args.data} has {size} bytes; training needs at least "
+                             f"20 x (--seq-len + 1) = {needed}")
     if args.cuda_graphs and args.device != "cuda":
         raise ValueError(f"--cuda-graphs needs --device cuda (CUDA graphs capture GPU work), "
                          f"got --device {args.device}")

@@ -2,12 +2,13 @@
 # CUDA graphs on the GPU, in about four minutes: the graph and graph-safe RNG tests, the
 # train_gpt.py --cuda-graphs tests, then the three graph benchmarks with small repeat
 # counts. Results (JSON, and each step's log) go to $OUT when set, else to
-# benchmarks/results. Uses the python3 found there with its own torch, as test.sh does.
+# benchmarks/out (git-ignored; OUT=benchmarks/results records them). Uses the python3
+# found there with its own torch, as test.sh does.
 # Usage: bash qa/L1_pytorch_gpu/graphs.sh
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PY="${PYTHON:-python3}"
-OUT="${OUT:-$ROOT/benchmarks/results}"
+OUT="${OUT:-$ROOT/benchmarks/out}"
 mkdir -p "$OUT"
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,7 +1,8 @@
 """Tests of the main job: examples/pytorch/train_gpt.py (a few steps of a tiny model:
 the loss falls, only the middle layers run in FP8, Ctrl-C ends in one line with exit
 code 130, two gloo processes keep the same FP8 scales) and compare_runs.py (FP8 with
-and without checkpointing bit-identical, and a slightly nudged run caught)."""
+and without checkpointing bit-identical, and a slightly nudged run caught); both
+refuse bad arguments up front with one line."""
 
 import datetime
 import importlib.util
@@ -127,6 +128,51 @@ def test_cuda_graphs_on_the_cpu_fail_with_a_clear_message(capsys):
             in capsys.readouterr().err)
     with pytest.raises(ValueError, match="--cuda-graphs needs --device cuda"):
         tg.train(tiny_args("--cuda-graphs"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--hidden", "100"], "--hidden must be a multiple of 16 (FP8 GEMMs need it), got 100"),
+    (["--hidden", "48", "--heads", "5"], "--hidden must be a multiple of --heads (5), got 48"),
+    (["--batch", "3", "--seq-len", "5"],
+     "--batch x --seq-len must be a multiple of 8 (FP8 GEMMs need it), got 3 x 5 = 15"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--seq-len", "-4"], "--seq-len must be at least 1, got -4"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+    (["--data", "/nonexistent/text.txt"], "--data: no such file: /nonexistent/text.txt"),
+    (["--data", __file__, "--seq-len", "100000"],
+     "training needs at least 20 x (--seq-len + 1) = 2000020"),
+], ids=["hidden16", "heads", "tokens8", "steps", "seq-len", "lr", "dropout", "data", "short-data"])
+def test_bad_arguments_are_refused_before_anything_is_built(flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tg.check_args(tg.build_parser().parse_args(flags))
+
+
+def test_fp8_shape_rules_hold_only_when_a_layer_runs_in_fp8():
+    for flags in (["--no-fp8"], ["--layers", "2"]):        # no layer in FP8
+        tg.check_args(tg.build_parser().parse_args([*flags, "--hidden", "100", "--heads", "4",
+                                                    "--batch", "3", "--seq-len", "5"]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tg.check_args(tg.build_parser().parse_args(["--layers", "3", "--hidden", "100",
+                                                    "--heads", "4"]))
+
+
+@pytest.mark.parametrize("script, flags, line", [
+    ("train_gpt", ["--hidden", "100"],
+     "train_gpt.py: error: --hidden must be a multiple of 16 (FP8 GEMMs need it), got 100"),
+    ("compare_runs", ["--hidden", "100"],
+     "compare_runs.py: error: --hidden must be a multiple of 16 (FP8 GEMMs need it), got 100"),
+    ("train_gpt", ["--device", "cuda"], "train_gpt.py: error: --device cuda: no CUDA device"),
+    ("compare_runs", ["--device", "cuda"], "compare_runs.py: error: --device cuda: no CUDA device"),
+    ("train_gpt", ["--hidden", "abc"],
+     "train_gpt.py: error: argument --hidden: invalid int value: 'abc'"),
+], ids=["train-hidden", "compare-hidden", "train-cuda", "compare-cuda", "train-not-int"])
+def test_bad_arguments_end_the_scripts_with_one_line(script, flags, line):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")        # no CUDA device, on any machine
+    done = subprocess.run([sys.executable, str(EXAMPLES / f"{script}.py"), *flags], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(line), done.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
