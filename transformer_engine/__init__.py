@@ -2,7 +2,7 @@
 
 ``__version__`` names the TE release whose PyTorch API these names follow, with the
 local label ``+pure`` saying that this is the pure-PyTorch implementation, not
-NVIDIA's (README, "Package identity"). As in TE, ``import transformer_engine`` makes
+NVIDIA's (docs/package-identity.md). As in TE, ``import transformer_engine`` makes
 ``transformer_engine.common`` and ``transformer_engine.pytorch`` reachable as
 attributes; importing them only defines names.
 """

@@ -22,7 +22,7 @@ __all__ = ["flatten_nested", "rebuild_nested", "NORMALIZATIONS", "PARAM_DTYPES",
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-UNSUPPORTED_DOC = "README section 'Unsupported arguments'"
+UNSUPPORTED_DOC = "docs/unsupported-arguments.md"
 
 
 # ---- argument checks ---------------------------------------------------------------------
@@ -101,7 +101,7 @@ def reject_unsupported(api: str, **settings) -> None:
             continue
         raise NotImplementedError(
             f"{api}: {name}={value!r} is not implemented by this pure-PyTorch Transformer "
-            f"Engine; leave it at its default ({default!r}). See the {UNSUPPORTED_DOC}.")
+            f"Engine; leave it at its default ({default!r}). See {UNSUPPORTED_DOC}.")
 
 
 def check_choice(api: str, name: str, value, choices) -> str:
