@@ -56,6 +56,7 @@ TESTS=(
     tests/pytorch/test_te_yardstick_harness.py
     tests/pytorch/test_docs_snippets.py
     tests/pytorch/test_benchmark_out.py
+    tests/pytorch/test_qa_skip_summary.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py
     tests/pytorch/test_megatron_gpt.py
