@@ -2,9 +2,10 @@
 
     python qa/skip_summary.py REPORT.xml ...
 
-The reasons are pytest's skip messages with the "location: " prefix pytest adds left
-out, most frequent first. Used at the end of qa/L0_pytorch_unittest/test.sh, where
-the per-file runs are quiet (-q hides skip reasons).
+The reasons are pytest's skip messages, each with its count in brackets (as pytest's
+``-rs`` writes them), most frequent first. Used at the end of
+qa/L0_pytorch_unittest/test.sh, where the per-file runs are quiet (-q hides skip
+reasons).
 """
 
 import collections
@@ -30,7 +31,7 @@ def summary(reasons) -> str:
     total = sum(reasons.values())
     if not total:
         return "Skipped: none."
-    parts = [f"{n} {reason!r}" for reason, n in reasons.most_common()]
+    parts = [f"[{n}] {reason}" for reason, n in reasons.most_common()]
     return f"Skipped {total} tests by reason: " + "; ".join(parts)
 
 

@@ -47,8 +47,7 @@ def test_one_line_counts_skips_by_reason_across_reports(tmp_path):
     done = subprocess.run([sys.executable, str(SUMMARY), str(first), str(second), str(missing)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == ("Skipped 5 tests by reason: 4 'needs a CUDA GPU'; "
-                           "1 'needs Triton'\n")
+    assert done.stdout == "Skipped 5 tests by reason: [4] needs a CUDA GPU; [1] needs Triton\n"
 
 
 def test_no_skips_say_so(tmp_path):
