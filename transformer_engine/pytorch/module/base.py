@@ -10,7 +10,8 @@ from typing import Any, Optional
 import torch
 
 from ...common.recipe import DelayedScaling, Recipe
-from .. import delayed_scaling, distributed, recompute
+from .. import amax_update, delayed_scaling, distributed, recompute, torch_compile
+from ..kernel_config import get_kernel_config
 from ..fp8 import FP8GlobalStateManager
 from ..model_init import model_init_state
 from ..scaling import ScalingState
@@ -36,6 +37,10 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _same_recipe(a: Optional[Recipe], b: Recipe) -> bool:
+    return a is not None and type(a) is type(b) and a == b
+
+
 def no_autocast(device_type: str):
     """A context with ``torch.autocast`` off for ``device_type`` (a no-op context when
     it is off already: entering ``torch.autocast`` costs host time on every GEMM)."""
@@ -59,7 +64,11 @@ class ForwardPlan:
     them), else None. ``recomputing``: this call is a recompute. ``delayed``: the
     recipe keeps delayed-scaling state (read on every cast, so decided once here).
     ``skip_weight_update``: the device flag that picks the cached or a fresh FP8
-    weight (NOTE [Skip-update flag] in fp8_operands.py), else None.
+    weight (NOTE [Skip-update flag] in fp8_operands.py), else None. ``fwd_state``: the
+    forward scaling state the casts use (the live one, or a recompute's stash), for a
+    delayed-scaling recipe. ``traced``: made while dynamo traces (NOTE [torch.compile]
+    in torch_compile.py); the backward of GEMM ``bwd_update_gemm`` (-1: none) then
+    updates the module's backward state, with the autocast's ``group``.
     """
 
     fp8: bool
@@ -71,6 +80,10 @@ class ForwardPlan:
     recomputing: bool = False
     delayed: bool = field(init=False)
     skip_weight_update: Optional[torch.Tensor] = None
+    fwd_state: Optional[ScalingState] = None
+    traced: bool = False
+    bwd_update_gemm: int = -1
+    group: Any = None
 
     def __post_init__(self):
         self.delayed = self.recipe is not None and self.recipe.delayed()
@@ -122,6 +135,10 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         # reads it when it splits a grouped module's extra state)
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
                          "num_gemms": num_gemms, "fp8_checkpoint": False}
+        # what a compiled forward reads and cannot make (NOTE [torch.compile])
+        get_kernel_config()
+        amax_update.make_compiled_counter("cpu")
+        torch_compile.PENDING.add(self)
         init = model_init_state()
         # the model-init recipe (None: high-precision weights)
         self.fp8_weight_recipe = init.recipe
@@ -136,7 +153,18 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def _builds_fp8_weights(self) -> bool:
         return self.primary_weights_in_fp8
 
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._make_compiled_counter()
+        return out
+
+    def _make_compiled_counter(self) -> None:
+        device = self._meta_device()
+        if device.type != "meta":
+            amax_update.make_compiled_counter(device)
+
     def _after_reset_parameters(self, fp8_weights) -> None:
+        self._make_compiled_counter()
         if fp8_weights:
             if self.fp8_meta["recipe"] is None:
                 self._adopt_recipe(self.fp8_weight_recipe)
@@ -188,11 +216,20 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         (`delayed_scaling.resize_amax_history`), never discarded."""
         self.fp8_meta["recipe"] = recipe
         self.fp8_meta["fp8_checkpoint"] = True
+        if not torch.compiler.is_compiling():
+            torch_compile.PENDING.discard(self)
         if recipe.delayed():
             state = self.fp8_meta["scaling_fwd"]
             if state is None:
                 self.init_fp8_meta_tensors(recipe)
             elif state.amax_history.shape[0] != recipe.amax_history_len:
+                if torch.compiler.is_compiling():
+                    raise NotImplementedError(
+                        f"{self.named_api(type(self).__name__)}: torch.compile: the recipe's "
+                        f"amax_history_len={recipe.amax_history_len} differs from this "
+                        f"module's FP8 state ({state.amax_history.shape[0]}); resizing the "
+                        "history inside a compiled function is not supported: run one "
+                        "forward with the new recipe eagerly first")
                 for key in ("scaling_fwd", "scaling_bwd"):
                     s = self.fp8_meta[key]
                     history = delayed_scaling.resize_amax_history(s.amax_history,
@@ -210,10 +247,25 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         recipe = FP8GlobalStateManager.get_checked_fp8_recipe() if (fp8 or calibrating) else None
         if calibrating and not recipe.delayed():
             recipe, calibrating = None, False
+        if torch.compiler.is_compiling():
+            return self._take_traced_autocast_state(fp8, calibrating, recipe)
         if self.fp8 is not fp8 or self.fp8_calibration is not calibrating:
             self.fp8, self.fp8_calibration = fp8, calibrating     # nn.Module.__setattr__ is slow
         if recipe is not None and self.fp8_meta["recipe"] is not recipe:
             self._adopt_recipe(recipe)
+        return fp8, calibrating, recipe
+
+    def _take_traced_autocast_state(self, fp8: bool, calibrating: bool, recipe):
+        """`_take_autocast_state` while dynamo traces (NOTE [torch.compile] in
+        torch_compile.py): the flags are stored without being read (no guard on
+        them); the modules without FP8 state get it for real before this module's is
+        read; the recipe is compared by fields (a guard on fields, not on objects)."""
+        self.fp8, self.fp8_calibration = fp8, calibrating
+        if recipe is not None:
+            torch_compile.check_compilable_recipe(recipe)
+            torch_compile.prepare_pending_modules(recipe)
+            if not _same_recipe(self.fp8_meta["recipe"], recipe):
+                self._adopt_recipe(recipe)
         return fp8, calibrating, recipe
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
@@ -241,6 +293,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
                             f"True or False, got {is_first_microbatch!r}")
+        if torch.compiler.is_compiling():
+            return self._prepare_traced_forward(is_first_microbatch)
         fp8, calibrating, recipe = self._take_autocast_state()
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
                            is_first_microbatch=is_first_microbatch)
@@ -264,7 +318,45 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             if distributed.is_fp8_activation_recompute_enabled():
                 plan.stash = FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
                     self.fp8_meta, plan.session)
+        if plan.delayed:
+            plan.fwd_state = self.fp8_meta["scaling_fwd"]
         return _ForwardScope(plan, self.fp8_meta if swapped else None)
+
+    def _prepare_traced_forward(self, is_first_microbatch: Optional[bool]) -> _ForwardScope:
+        """`prepare_forward` while dynamo traces (NOTE [torch.compile] in
+        torch_compile.py): the same plan; the session bookkeeping, the recompute
+        stash and the backward update become graph ops or trace-time decisions."""
+        fp8, calibrating, recipe = self._take_autocast_state()
+        plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
+                           is_first_microbatch=is_first_microbatch, traced=True)
+        if not plan.delayed:
+            plan.recomputing = distributed.in_fp8_activation_recompute_phase()
+            return _ForwardScope(plan, None)
+        autocast = FP8GlobalStateManager.get_fp8_autocast_state()
+        session, plan.group = autocast.session, autocast.group
+        live = self.fp8_meta["scaling_fwd"]
+        if distributed.in_fp8_activation_recompute_phase():
+            plan.recomputing = True
+            if fp8:
+                plan.fwd_state = torch_compile.recompute_state(self.fp8_meta)
+        else:
+            plan.record_amax = recompute.is_training_forward()
+            if distributed.is_fp8_activation_recompute_enabled():
+                torch_compile.stash_in_frame(self.fp8_meta, live)
+            plan.fwd_state = torch_compile.forward_state(live) if fp8 else live
+        first = True
+        if session.traced:
+            first = torch_compile.join_traced_session(session, self.fp8_meta, recipe,
+                                                      plan.group, plan.record_amax)
+        elif plan.record_amax:
+            torch_compile.register_in_session(session, self.fp8_meta, recipe, plan.group)
+        if fp8 and first:
+            plan.bwd_update_gemm = self._first_fp8_gemm()
+        return _ForwardScope(plan, None)
+
+    def _first_fp8_gemm(self) -> int:
+        """The GEMM whose backward runs last in a call of this module (its first)."""
+        return 0
 
     # ---- FP8 state in state_dict (NOTE [FP8 extra state payload]) -------------------
     def get_extra_state(self) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import block_scaling, quantize
+from .. import block_scaling, quantize, torch_compile
 from ..amax_update import request_backward_update
 from ..fp8_shapes import Float8Data
 from ..tensor import QuantizedTensor
@@ -88,7 +88,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 call: "_LinearCall"):
         plan, fp8_meta, gemm = call.plan, call.fp8_meta, call.gemm
         fmt = plan.recipe.fp8_format.value
-        state = fp8_meta["scaling_fwd"] if plan.delayed else None
+        state = plan.fwd_state
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with no_autocast(x.device.type):
@@ -138,6 +138,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                          else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
         if plan.session is not None:
             request_backward_update(plan.session)
+        elif plan.bwd_update_gemm == ctx.gemm:      # NOTE [torch.compile]
+            torch_compile.backward_update(ctx.fp8_meta, plan.recipe, plan.group)
         return dgrad, wgrad, dbias, None
 
 
@@ -164,7 +166,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         if isinstance(weight, QuantizedTensor) and not fuse_wgrad_accumulation:
             weight = weight.dequantize()        # (the main-grad path reads the weight itself)
         if plan.record_amax:
-            state = fp8_meta["scaling_fwd"]
+            state = plan.fwd_state
             i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
             state.record_amax(i, quantize.amax(x))
             state.record_amax(i + 1, quantize.amax(weight))
