@@ -103,8 +103,7 @@ def prepare_pending_modules(recipe) -> None:
     create state that its backward then updates, and state created by the graph would
     make dynamo compile again at the next call). Runs once per trace point, at trace
     time (NOTE [torch.compile])."""
-    if PENDING:
-        _prepare_pending(recipe_constants(recipe))
+    _prepare_pending(recipe_constants(recipe))
 
 
 def _prepare_pending(constants: Tuple) -> bool:
