@@ -392,7 +392,10 @@ _NON_FINITE = _NonFiniteCounters()
 
 def non_finite_counter(device: torch.device) -> torch.Tensor:
     """The calling thread's count of non-finite amaxes on ``device`` (an int32 scalar
-    tensor), into which current scaling adds at each cast (`quantize.current_scale`)."""
+    tensor), into which current scaling adds at each cast (`quantize.current_scale`);
+    while dynamo traces, the compiled-code counter of ``device``."""
+    if torch.compiler.is_compiling():
+        return compiled_counter(device)
     return _NON_FINITE.counter(device)
 
 

@@ -42,7 +42,10 @@ class _AutocastState:
 
 
 class _ThreadAutocast(threading.local):
-    state: _AutocastState = _AutocastState()
+    # set per thread (not a class default): compiled code reads it from the thread's
+    # own attributes (NOTE [torch.compile] in torch_compile.py)
+    def __init__(self):
+        self.state = _AutocastState()
 
 
 _THREAD = _ThreadAutocast()
@@ -57,7 +60,8 @@ class _SkipWeightUpdate:
 
 
 class _GraphWarmUp(threading.local):
-    active: bool = False
+    def __init__(self):
+        self.active = False
 
 
 _GRAPH_WARM_UP = _GraphWarmUp()

@@ -165,7 +165,9 @@ class RecomputePosition:
 
 
 class _ThreadPosition(threading.local):
-    position: RecomputePosition = RecomputePosition()
+    # per thread, as fp8.py's autocast state (compiled code reads it)
+    def __init__(self):
+        self.position = RecomputePosition()
 
 
 _THREAD = _ThreadPosition()

@@ -68,6 +68,7 @@ from . import amax_update, custom_ops, recompute
 from .scaling import ScalingState
 
 __all__ = ["compiling", "check_compilable_recipe", "PENDING", "prepare_pending_modules",
+           "MODULES", "prepare_weight_caches",
            "recipe_constants", "forward_state", "join_traced_session",
            "exit_traced_autocast", "CompiledRegistration", "register_in_session",
            "backward_update", "stash_in_frame", "recompute_state", "CompiledStash"]
@@ -92,17 +93,17 @@ def check_compilable_recipe(recipe) -> None:
 
 # ---- FP8 state made before it is traced ------------------------------------------------
 
-# TE modules that have not taken a recipe yet (added when built, removed by `_adopt_recipe`)
+# TE modules without delayed-scaling state (added when built, removed when it is made)
 PENDING: "weakref.WeakSet" = weakref.WeakSet()
 _PENDING_LOCK = threading.Lock()
 
 
 def prepare_pending_modules(recipe) -> None:
-    """While tracing an FP8 (or calibrating) forward: give every TE module that has not
-    taken a recipe yet this one, and its fresh FP8 state, for real, now (a graph cannot
-    create state that its backward then updates, and state created by the graph would
-    make dynamo compile again at the next call). Runs once per trace point, at trace
-    time (NOTE [torch.compile])."""
+    """While tracing a delayed-scaling forward: give every TE module that has no
+    delayed-scaling state yet its fresh state for ``recipe``, for real, now (a graph
+    cannot create state that its backward then updates, and state created by the graph
+    would make dynamo compile again at the next call). Runs at trace time only (NOTE
+    [torch.compile])."""
     _prepare_pending(recipe_constants(recipe))
 
 
@@ -111,7 +112,7 @@ def _prepare_pending(constants: Tuple) -> bool:
     with _PENDING_LOCK:
         modules = list(PENDING)
     for module in modules:
-        if module.fp8_meta["recipe"] is None:
+        if module.fp8_meta["scaling_fwd"] is None:
             module._adopt_recipe(recipe)
     return True
 
@@ -119,6 +120,32 @@ def _prepare_pending(constants: Tuple) -> bool:
 # executed at trace time with its constant arguments, its result taken as a constant:
 # what torch.compiler.assume_constant_result marks, without importing dynamo here
 _prepare_pending._dynamo_marked_constant = True
+
+
+# every TE module (added when built)
+MODULES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def prepare_weight_caches() -> None:
+    """While tracing a forward with ``is_first_microbatch``: give every TE module (but
+    those with FP8 primary weights, which need none) its FP8 weight cache dict with a
+    key per GEMM (None: nothing cached), for real, now: dynamo guards on the dict's keys,
+    so keys added by the graph would make it compile again at the next call."""
+    _prepare_weight_caches()
+
+
+def _prepare_weight_caches() -> bool:
+    with _PENDING_LOCK:
+        modules = list(MODULES)
+    for module in modules:
+        if not module.primary_weights_in_fp8:
+            cache = module.fp8_meta.setdefault("fp8_weight_cache", {})
+            for gemm in range(module.fp8_meta["num_gemms"]):
+                cache.setdefault(gemm, None)        # (the keys dynamo guards on, from the start)
+    return True
+
+
+_prepare_weight_caches._dynamo_marked_constant = True
 
 
 def _constant(value):

@@ -37,10 +37,6 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _same_recipe(a: Optional[Recipe], b: Recipe) -> bool:
-    return a is not None and type(a) is type(b) and a == b
-
-
 def no_autocast(device_type: str):
     """A context with ``torch.autocast`` off for ``device_type`` (a no-op context when
     it is off already: entering ``torch.autocast`` costs host time on every GEMM)."""
@@ -139,6 +135,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         get_kernel_config()
         amax_update.make_compiled_counter("cpu")
         torch_compile.PENDING.add(self)
+        torch_compile.MODULES.add(self)
         init = model_init_state()
         # the model-init recipe (None: high-precision weights)
         self.fp8_weight_recipe = init.recipe
@@ -209,6 +206,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         length = recipe.amax_history_len
         self.fp8_meta["scaling_fwd"] = ScalingState.new(n * self.FWD_TENSORS_PER_GEMM, length, device)
         self.fp8_meta["scaling_bwd"] = ScalingState.new(n * self.BWD_TENSORS_PER_GEMM, length, device)
+        torch_compile.PENDING.discard(self)
 
     def _adopt_recipe(self, recipe: Recipe) -> None:
         """Keep the state (fresh if there is none); a history of another length than
@@ -216,20 +214,11 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         (`delayed_scaling.resize_amax_history`), never discarded."""
         self.fp8_meta["recipe"] = recipe
         self.fp8_meta["fp8_checkpoint"] = True
-        if not torch.compiler.is_compiling():
-            torch_compile.PENDING.discard(self)
         if recipe.delayed():
             state = self.fp8_meta["scaling_fwd"]
             if state is None:
                 self.init_fp8_meta_tensors(recipe)
             elif state.amax_history.shape[0] != recipe.amax_history_len:
-                if torch.compiler.is_compiling():
-                    raise NotImplementedError(
-                        f"{self.named_api(type(self).__name__)}: torch.compile: the recipe's "
-                        f"amax_history_len={recipe.amax_history_len} differs from this "
-                        f"module's FP8 state ({state.amax_history.shape[0]}); resizing the "
-                        "history inside a compiled function is not supported: run one "
-                        "forward with the new recipe eagerly first")
                 for key in ("scaling_fwd", "scaling_bwd"):
                     s = self.fp8_meta[key]
                     history = delayed_scaling.resize_amax_history(s.amax_history,
@@ -261,11 +250,25 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         them); the modules without FP8 state get it for real before this module's is
         read; the recipe is compared by fields (a guard on fields, not on objects)."""
         self.fp8, self.fp8_calibration = fp8, calibrating
-        if recipe is not None:
-            torch_compile.check_compilable_recipe(recipe)
+        if recipe is None:
+            return fp8, calibrating, recipe
+        torch_compile.check_compilable_recipe(recipe)
+        if recipe.delayed():        # before this trace reads fp8_meta
             torch_compile.prepare_pending_modules(recipe)
-            if not _same_recipe(self.fp8_meta["recipe"], recipe):
-                self._adopt_recipe(recipe)
+        # stored, not compared: no guard on the recipe the module held before
+        self.fp8_meta["recipe"] = recipe
+        self.fp8_meta["fp8_checkpoint"] = True
+        if recipe.delayed():
+            state = self.fp8_meta["scaling_fwd"]
+            if state is None or state.amax_history.shape[0] != recipe.amax_history_len:
+                raise NotImplementedError(
+                    f"{self.named_api(type(self).__name__)}: torch.compile: this module's "
+                    "delayed-scaling state "
+                    + ("is missing" if state is None else
+                       f"has amax_history_len={state.amax_history.shape[0]}")
+                    + f" where the recipe has {recipe.amax_history_len}; a compiled function "
+                    "cannot make or resize it (its backward updates it): run one forward with "
+                    "this recipe eagerly first")
         return fp8, calibrating, recipe
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
@@ -326,6 +329,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         """`prepare_forward` while dynamo traces (NOTE [torch.compile] in
         torch_compile.py): the same plan; the session bookkeeping, the recompute
         stash and the backward update become graph ops or trace-time decisions."""
+        if is_first_microbatch is not None:     # before this trace reads fp8_meta
+            torch_compile.prepare_weight_caches()
         fp8, calibrating, recipe = self._take_autocast_state()
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
                            is_first_microbatch=is_first_microbatch, traced=True)
@@ -383,3 +388,5 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                     for s in (loaded.scaling_fwd, loaded.scaling_bwd))
         self.fp8_meta.update(recipe=loaded.recipe, scaling_fwd=fwd, scaling_bwd=bwd,
                              fp8_checkpoint=loaded.recipe is not None or fwd is not None)
+        if fwd is not None:
+            torch_compile.PENDING.discard(self)

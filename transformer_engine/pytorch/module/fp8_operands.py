@@ -97,7 +97,9 @@ def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, i
     if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
         return _with_transpose(plan.stash.weights[gemm], transpose)
     cache = fp8_meta.setdefault("fp8_weight_cache", {})
-    cached = cache.get(gemm)
+    # (a first micro-batch does not look at the cache: compiled code would guard on it)
+    cached = cache.get(gemm) if (plan.skip_weight_update is not None
+                                 or plan.is_first_microbatch is False) else None
     if plan.skip_weight_update is not None and cached is not None:
         found = _flag_selected(weight, plan, state, index, dtype, transpose,
                                _with_transpose(cached, transpose))

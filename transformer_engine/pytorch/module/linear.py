@@ -20,7 +20,7 @@ from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_po
                      reject_unsupported)
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
-from .fp8_operands import cast_operand, forward_operands
+from .fp8_operands import cast_operand, forward_operands, fp8_weight
 from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
@@ -66,12 +66,14 @@ class _LinearCall:
     """The non-tensor arguments of one `_FP8LinearFunction` call, as one argument
     (autograd's ``apply`` inspects every argument: fewer is cheaper on the host)."""
 
-    __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad")
+    __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad", "weight_ops")
 
     def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
-                 fuse_wgrad: bool):
+                 fuse_wgrad: bool, weight_ops=None):
         self.plan, self.fp8_meta, self.gemm = plan, fp8_meta, gemm
         self.out_dtype, self.fuse_wgrad = out_dtype, fuse_wgrad
+        # the FP8 weight made before the call, while dynamo traces (NOTE [torch.compile])
+        self.weight_ops = weight_ops
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -92,9 +94,14 @@ class _FP8LinearFunction(torch.autograd.Function):
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with no_autocast(x.device.type):
-            (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state, i,
-                                                          gemm, fmt.dtype_fwd, need_wgrad,
-                                                          need_dgrad)
+            if call.weight_ops is None:
+                (x_fp8, x_t), (w_fp8, w_t) = forward_operands(
+                    x, weight, plan, fp8_meta, state, i, gemm, fmt.dtype_fwd, need_wgrad,
+                    need_dgrad)
+            else:
+                x_fp8, x_t = cast_operand(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
+                                          "fwd_inp", transpose=need_wgrad)
+                w_fp8, w_t = call.weight_ops
             y = _gemm(x_fp8, w_fp8, call.out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
         (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
@@ -184,10 +191,29 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             and not plan.recipe.float8_block_scaling():
         quantize.check_fp8_matrix(api, input_name, x.shape)
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
-    y = _FP8LinearFunction.apply(x2d, weight, bias,
-                                 _LinearCall(plan, fp8_meta, gemm, out_dtype,
-                                             fuse_wgrad_accumulation))
+    call = (_LinearCall(plan, fp8_meta, gemm, out_dtype, fuse_wgrad_accumulation)
+            if not plan.traced else _traced_call(plan, fp8_meta, gemm, out_dtype,
+                                                 fuse_wgrad_accumulation, x2d, weight))
+    y = _FP8LinearFunction.apply(x2d, weight, bias, call)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+
+
+def _traced_call(plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
+                 fuse_wgrad: bool, x2d: torch.Tensor, weight: torch.Tensor) -> _LinearCall:
+    """The call's arguments while dynamo traces (NOTE [torch.compile]): the backward
+    state in a dict of its own (the function's arguments are guarded on: not the
+    module's whole ``fp8_meta``), and a cached or FP8 primary weight taken here,
+    outside the function, whose graph may not write the module's cache."""
+    meta = {"scaling_bwd": fp8_meta["scaling_bwd"]} if plan.delayed else {}
+    weight_ops = None
+    if plan.is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
+        dtype = plan.recipe.fp8_format.value.dtype_fwd
+        need_dgrad = torch.is_grad_enabled() and x2d.requires_grad
+        index = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm + 1
+        with no_autocast(x2d.device.type):
+            weight_ops = fp8_weight(weight, plan, fp8_meta, plan.fwd_state, index, gemm, dtype,
+                                    need_dgrad)
+    return _LinearCall(plan, meta, gemm, out_dtype, fuse_wgrad, weight_ops)
 
 
 
