@@ -208,7 +208,7 @@ def update_states(metas: List[dict], recipe: DelayedScaling, group, forward: boo
     spec = recipe.fp8_format.value
     max_value = spec.max_fwd if forward else spec.max_bwd
     device = states[0].scale.device
-    counter = compiled_counter(device) if traced else _NON_FINITE.counter(device)
+    counter = compiled_counter(device, not forward) if traced else _NON_FINITE.counter(device)
     histories = [s.amax_history for s in states]
     scales = [s.scale for s in states]
     scale_invs = [s.scale_inv for s in states]
@@ -315,7 +315,7 @@ class _NonFiniteCounters:
 
     def __init__(self):
         self.counters: Dict[Tuple[torch.device, int], torch.Tensor] = {}
-        self.compiled: Dict[torch.device, torch.Tensor] = {}
+        self.compiled: Dict[Tuple[torch.device, bool], torch.Tensor] = {}
         self.lock = threading.Lock()
         # the calling thread's own counters by device: the casts' fast path, and all that
         # the check after this thread's updates reads (threads that are gone leave
@@ -353,7 +353,7 @@ class _NonFiniteCounters:
             return
         ident = threading.get_ident()
         mine = [((device, ident), counter) for device, counter in self._mine().items()]
-        mine += [((device, "compiled"), counter) for device, counter in self.compiled.items()]
+        mine += [(key + ("compiled",), counter) for key, counter in self.compiled.items()]
         for key, counter in mine:
             if self._seen(key, counter):
                 self.warned = True
@@ -390,30 +390,35 @@ CUDA_CHECK_EVERY = 16
 _NON_FINITE = _NonFiniteCounters()
 
 
-def non_finite_counter(device: torch.device) -> torch.Tensor:
+def non_finite_counter(device: torch.device, backward: bool = False) -> torch.Tensor:
     """The calling thread's count of non-finite amaxes on ``device`` (an int32 scalar
     tensor), into which current scaling adds at each cast (`quantize.current_scale`);
-    while dynamo traces, the compiled-code counter of ``device``."""
+    while dynamo traces, the compiled-code counter of ``device`` for a cast in the
+    forward or (``backward``) the backward graph."""
     if torch.compiler.is_compiling():
-        return compiled_counter(device)
+        return compiled_counter(device, backward)
     return _NON_FINITE.counter(device)
 
 
 def make_compiled_counter(device) -> None:
-    """Make the counter that compiled code on ``device`` adds non-finite amaxes to, if
-    missing (eagerly: a graph cannot make it; the modules call this when built)."""
+    """Make the counters that compiled code on ``device`` adds non-finite amaxes to, if
+    missing (eagerly: a graph cannot make them; the modules call this when built)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _NON_FINITE.compiled:
+    if (device, False) not in _NON_FINITE.compiled:
         with _NON_FINITE.lock:
-            _NON_FINITE.compiled.setdefault(device, torch.zeros((), dtype=torch.int32,
-                                                                device=device))
+            for backward in (False, True):
+                _NON_FINITE.compiled.setdefault(
+                    (device, backward), torch.zeros((), dtype=torch.int32, device=device))
 
 
-def compiled_counter(device: torch.device) -> torch.Tensor:
-    """The counter compiled code adds the non-finite amaxes it sees on ``device`` to."""
-    found = _NON_FINITE.compiled.get(device)
+def compiled_counter(device: torch.device, backward: bool = False) -> torch.Tensor:
+    """The counter compiled code adds the non-finite amaxes it sees on ``device`` to:
+    one for forward graphs and one for backward graphs, so that a graph input is
+    written in one of them only (AOTAutograd would otherwise hand the backward the
+    forward's value, losing what other graphs added in between)."""
+    found = _NON_FINITE.compiled.get((device, backward))
     if found is None:
         raise RuntimeError(
             f"torch.compile: no non-finite amax counter for {device} (TE modules make it "

@@ -144,12 +144,14 @@ def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int = 1,
 
 
 def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scale: bool,
-                amax_epsilon: float, rowwise: bool = True, columnwise: bool = False
+                amax_epsilon: float, rowwise: bool = True, columnwise: bool = False,
+                backward: bool = False
                 ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """``(rowwise, columnwise)`` copies of a 2-D ``x`` [R, C], each None unless asked
     for: ``rowwise`` [R, C] with blocks along C, ``columnwise`` [C, R] with blocks along
     R (NOTE [Block scaling layout]). A NaN or inf in ``x`` is counted once (NOTE
-    [Non-finite amaxes] in amax_update.py)."""
+    [Non-finite amaxes] in amax_update.py; ``backward``: a cast of the backward pass, for
+    the compiled-code counters)."""
     row = col = None
     amaxes = None
     if rowwise or (columnwise and block_rows == BLOCK):
@@ -160,7 +162,7 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_sc
         else:
             col, amaxes = _quantize(x.t(), dtype, 1, power_2_scale, amax_epsilon)
     if amaxes is not None and amaxes.numel() > 0:
-        non_finite_counter(amaxes.device).add_(~torch.isfinite(amaxes.amax()))
+        non_finite_counter(amaxes.device, backward).add_(~torch.isfinite(amaxes.amax()))
     return (row if rowwise else None), col
 
 
@@ -171,7 +173,7 @@ def cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, rowwis
     q = getattr(recipe, "fp8_quant_" + role)
     block_rows = BLOCK if getattr(recipe, _ROLE_DIM_FIELDS[role]) == 2 else 1
     return cast_blocks(x, dtype, block_rows, q.power_2_scale, q.amax_epsilon, rowwise,
-                       columnwise)
+                       columnwise, backward=role == "bwd_grad")
 
 
 def block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
@@ -212,9 +214,13 @@ def hardware_gemm_fits(a: BlockScaledData, b: BlockScaledData) -> bool:
     if not data.is_cuda or a.block_rows != 1 or data.shape[0] % 8 or b.data.shape[0] % 16:
         return False
     index = data.device.index
-    if index not in _HOPPER:
-        _HOPPER[index] = torch.cuda.get_device_capability(data.device) == (9, 0)
-    return _HOPPER[index] and get_kernel_config().block_gemm == "hardware"
+    if torch.compiler.is_compiling():       # no cache written by a graph
+        hopper = torch.cuda.get_device_capability(data.device) == (9, 0)
+    else:
+        if index not in _HOPPER:
+            _HOPPER[index] = torch.cuda.get_device_capability(data.device) == (9, 0)
+        hopper = _HOPPER[index]
+    return hopper and get_kernel_config().block_gemm == "hardware"
 
 
 def _pad_k(t: torch.Tensor, cols: int, value) -> torch.Tensor:

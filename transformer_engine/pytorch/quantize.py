@@ -73,8 +73,8 @@ def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES)
     path, else None."""
     global _kernels_module
     if not (x.is_cuda and x.dtype in dtypes and x.numel() > 0
-            and get_kernel_config().fused):
-        return None
+            and get_kernel_config().fused) or torch.compiler.is_compiling():
+        return None         # compiled: the reference ops, for Inductor (NOTE [torch.compile])
     if _kernels_module is None:
         try:
             from . import triton_kernels

@@ -68,7 +68,7 @@ from . import amax_update, custom_ops, recompute
 from .scaling import ScalingState
 
 __all__ = ["compiling", "check_compilable_recipe", "PENDING", "prepare_pending_modules",
-           "MODULES", "prepare_weight_caches",
+           "MODULES", "prepare_weight_caches", "inside_higher_order_op",
            "recipe_constants", "forward_state", "join_traced_session",
            "exit_traced_autocast", "CompiledRegistration", "register_in_session",
            "backward_update", "stash_in_frame", "recompute_state", "CompiledStash"]
@@ -99,20 +99,22 @@ _PENDING_LOCK = threading.Lock()
 
 
 def prepare_pending_modules(recipe) -> None:
-    """While tracing a delayed-scaling forward: give every TE module that has no
-    delayed-scaling state yet its fresh state for ``recipe``, for real, now (a graph
-    cannot create state that its backward then updates, and state created by the graph
-    would make dynamo compile again at the next call). Runs at trace time only (NOTE
-    [torch.compile])."""
+    """While tracing an FP8 forward: give every TE module that has no recipe yet (for
+    delayed scaling: no state yet) ``recipe`` and its fresh state, for real, now, as its
+    first FP8 forward would: a graph cannot create state that its backward then
+    updates, and what a graph writes dynamo guards on, compiling again at the next
+    call. Runs at trace time only (NOTE [torch.compile])."""
     _prepare_pending(recipe_constants(recipe))
 
 
 def _prepare_pending(constants: Tuple) -> bool:
     recipe = _recipe_from_constants(constants)
+    delayed = recipe.delayed()
     with _PENDING_LOCK:
         modules = list(PENDING)
     for module in modules:
-        if module.fp8_meta["scaling_fwd"] is None:
+        meta = module.fp8_meta
+        if (meta["scaling_fwd"] is None) if delayed else (meta["recipe"] is None):
             module._adopt_recipe(recipe)
     return True
 
@@ -185,6 +187,25 @@ def _recipe_from_constants(constants: Tuple):
     if found is None:
         found = _REBUILT.setdefault(constants, recipes.validated_copy(_rebuilt(constants)))
     return found
+
+
+def inside_higher_order_op() -> bool:
+    """While tracing: whether dynamo traces a higher-order op's body now (the body of
+    ``torch.utils.checkpoint``, ``torch.cond``, ...), where no side effect is allowed.
+    Asks dynamo's tracer (not a public interface: False where it cannot tell)."""
+    return _inside_higher_order_op()
+
+
+def _inside_higher_order_op() -> bool:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        return tx is not None and tx.output.current_tracer.parent is not None
+    except Exception:       # another torch: fall back to dynamo's own error
+        return False
+
+
+_inside_higher_order_op._dynamo_marked_constant = True
 
 
 def forward_state(live: ScalingState) -> ScalingState:

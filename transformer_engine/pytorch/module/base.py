@@ -37,6 +37,10 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _same_recipe(a: Optional[Recipe], b: Recipe) -> bool:
+    return a is not None and type(a) is type(b) and a == b
+
+
 def no_autocast(device_type: str):
     """A context with ``torch.autocast`` off for ``device_type`` (a no-op context when
     it is off already: entering ``torch.autocast`` costs host time on every GEMM)."""
@@ -249,15 +253,28 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         torch_compile.py): the flags are stored without being read (no guard on
         them); the modules without FP8 state get it for real before this module's is
         read; the recipe is compared by fields (a guard on fields, not on objects)."""
-        self.fp8, self.fp8_calibration = fp8, calibrating
         if recipe is None:
+            # compared first: no write (a side effect) where nothing changes, so that a
+            # high-precision module may run inside torch.utils.checkpoint
+            if self.fp8 != fp8 or self.fp8_calibration != calibrating:
+                self.fp8, self.fp8_calibration = fp8, calibrating
             return fp8, calibrating, recipe
+        if torch_compile.inside_higher_order_op():
+            raise NotImplementedError(
+                f"{self.named_api(type(self).__name__)}: an FP8 forward traced by "
+                "torch.compile inside torch.utils.checkpoint (or another higher-order op) is "
+                "not supported: its FP8 state updates are side effects that such a region "
+                "may not have. Checkpoint the compiled function with te.checkpoint instead, "
+                "or keep the region in high precision")
         torch_compile.check_compilable_recipe(recipe)
-        if recipe.delayed():        # before this trace reads fp8_meta
-            torch_compile.prepare_pending_modules(recipe)
-        # stored, not compared: no guard on the recipe the module held before
-        self.fp8_meta["recipe"] = recipe
-        self.fp8_meta["fp8_checkpoint"] = True
+        self.fp8, self.fp8_calibration = fp8, calibrating      # written, not read: no guard
+        torch_compile.prepare_pending_modules(recipe)   # before this trace reads fp8_meta
+        # written only when it changes: dynamo guards on the keys of a dict it writes
+        # to, and compares the recipe by fields (not by object)
+        if not _same_recipe(self.fp8_meta["recipe"], recipe):
+            self.fp8_meta["recipe"] = recipe
+        if not self.fp8_meta["fp8_checkpoint"]:
+            self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():
             state = self.fp8_meta["scaling_fwd"]
             if state is None or state.amax_history.shape[0] != recipe.amax_history_len:
@@ -343,17 +360,24 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         if distributed.in_fp8_activation_recompute_phase():
             plan.recomputing = True
             if fp8:
-                plan.fwd_state = torch_compile.recompute_state(self.fp8_meta)
+                # The first forward's state, read and written as the first forward did
+                # (the copy, the amaxes into the stash's own history): the same graph,
+                # so the same tensors saved for backward (a non-reentrant checkpoint
+                # hands the recompute's saved tensors to the first forward's backward).
+                plan.fwd_state = torch_compile.forward_state(
+                    torch_compile.recompute_state(self.fp8_meta))
+                plan.record_amax = True
         else:
             plan.record_amax = recompute.is_training_forward()
             if distributed.is_fp8_activation_recompute_enabled():
                 torch_compile.stash_in_frame(self.fp8_meta, live)
             plan.fwd_state = torch_compile.forward_state(live) if fp8 else live
         first = True
+        register = plan.record_amax and not plan.recomputing
         if session.traced:
             first = torch_compile.join_traced_session(session, self.fp8_meta, recipe,
-                                                      plan.group, plan.record_amax)
-        elif plan.record_amax:
+                                                      plan.group, register)
+        elif register:
             torch_compile.register_in_session(session, self.fp8_meta, recipe, plan.group)
         if fp8 and first:
             plan.bwd_update_gemm = self._first_fp8_gemm()

@@ -65,7 +65,8 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
         return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
     q = getattr(plan.recipe, "fp8_quant_" + role)
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
-                                         non_finite_counter(x.device), data, transpose)
+                                         non_finite_counter(x.device, role == "bwd_grad"), data,
+                                         transpose)
 
 
 def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict,

@@ -212,11 +212,13 @@ class Float8Tensor(QuantizedTensor):
         return new
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale_inv"], (self.dtype, self._quantizer)
+        # metadata compared by value (torch.compile guards on it): the nominal dtype; the
+        # quantizer serves in-place writes, which compiled code does not make
+        return ["_data", "_scale_inv"], (self.dtype,)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0], meta[1])
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0])
 
 
 class Float8View(QuantizedTensor):
