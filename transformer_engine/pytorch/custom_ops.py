@@ -22,7 +22,7 @@ NOTE [Custom ops]
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -43,24 +43,24 @@ def _scale_snapshot_fake(scale: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("transformer_engine::cast_transpose", mutates_args=("amax_history",))
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, index: int, fp8_dtype: torch.dtype,
                    amax_history: Optional[torch.Tensor], data: bool,
-                   transpose: bool) -> List[torch.Tensor]:
-    """`quantize.cast_transpose_unchecked` of a 2-D ``x``: ``[x_fp8, x_fp8^T, scale_inv]``
+                   transpose: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize.cast_transpose_unchecked` of a 2-D ``x``: ``(x_fp8, x_fp8^T, scale_inv)``
     (an empty tensor for the one not asked for), the amax folded into
     ``amax_history[0, index]`` when given."""
     from .quantize import cast_transpose_unchecked
     q, q_t = cast_transpose_unchecked(x, scale, fp8_dtype, index, amax_history, data, transpose)
     found = q if q is not None else q_t
     empty = x.new_empty(0, dtype=fp8_dtype)
-    return [q.data if q is not None else empty, q_t.data if q_t is not None else empty,
-            found.scale_inv]
+    return (q.data if q is not None else empty, q_t.data if q_t is not None else empty,
+            found.scale_inv)
 
 
 @cast_transpose.register_fake
 def _cast_transpose_fake(x, scale, index, fp8_dtype, amax_history, data, transpose):
     rows, cols = x.shape
-    return [x.new_empty((rows, cols) if data else (0,), dtype=fp8_dtype),
+    return (x.new_empty((rows, cols) if data else (0,), dtype=fp8_dtype),
             x.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype),
-            scale.new_empty(1)]
+            scale.new_empty(1))
 
 
 @torch.library.custom_op("transformer_engine::fp8_gemm", mutates_args=())

@@ -55,21 +55,18 @@ NOTE [torch.compile]
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ..common import recipe as recipes
 from . import amax_update, custom_ops, recompute
 from .scaling import ScalingState
 
 __all__ = ["compiling", "check_compilable_recipe", "PENDING", "prepare_pending_modules",
-           "MODULES", "prepare_weight_caches", "inside_higher_order_op",
-           "recipe_constants", "forward_state", "join_traced_session",
+           "MODULES", "prepare_weight_caches", "inside_higher_order_op", "forward_state",
+           "join_traced_session",
            "exit_traced_autocast", "CompiledRegistration", "register_in_session",
            "backward_update", "stash_in_frame", "recompute_state", "CompiledStash"]
 
@@ -99,27 +96,31 @@ _PENDING_LOCK = threading.Lock()
 
 
 def prepare_pending_modules(recipe) -> None:
-    """While tracing an FP8 forward: give every TE module that has no recipe yet (for
-    delayed scaling: no state yet) ``recipe`` and its fresh state, for real, now, as its
-    first FP8 forward would: a graph cannot create state that its backward then
-    updates, and what a graph writes dynamo guards on, compiling again at the next
-    call. Runs at trace time only (NOTE [torch.compile])."""
-    _prepare_pending(recipe_constants(recipe))
+    """While tracing a delayed-scaling forward: give every TE module that has no
+    delayed-scaling state yet its fresh state (scale 1, empty history of the recipe's
+    length), for real, now, as its first FP8 forward would: a graph cannot create state
+    that its backward then updates, and state the graph created would make dynamo
+    compile again at the next call (it guards on what it read). Runs at trace time only
+    (NOTE [torch.compile])."""
+    if recipe.delayed():
+        _prepare_pending(recipe.amax_history_len)
 
 
-def _prepare_pending(constants: Tuple) -> bool:
-    recipe = _recipe_from_constants(constants)
-    delayed = recipe.delayed()
+class _HistoryLength:
+    def __init__(self, amax_history_len: int):
+        self.amax_history_len = amax_history_len
+
+
+def _prepare_pending(amax_history_len: int) -> bool:
     with _PENDING_LOCK:
         modules = list(PENDING)
     for module in modules:
-        meta = module.fp8_meta
-        if (meta["scaling_fwd"] is None) if delayed else (meta["recipe"] is None):
-            module._adopt_recipe(recipe)
+        if module.fp8_meta["scaling_fwd"] is None:
+            module.init_fp8_meta_tensors(_HistoryLength(amax_history_len))
     return True
 
 
-# executed at trace time with its constant arguments, its result taken as a constant:
+# executed at trace time with its constant argument, its result taken as a constant:
 # what torch.compiler.assume_constant_result marks, without importing dynamo here
 _prepare_pending._dynamo_marked_constant = True
 
@@ -148,45 +149,6 @@ def _prepare_weight_caches() -> bool:
 
 
 _prepare_weight_caches._dynamo_marked_constant = True
-
-
-def _constant(value):
-    if isinstance(value, enum.Enum):
-        return ("enum", type(value).__name__, value.name)
-    if dataclasses.is_dataclass(value):
-        return ("dataclass", type(value).__name__,
-                tuple((f.name, _constant(getattr(value, f.name)))
-                      for f in dataclasses.fields(value)))
-    if isinstance(value, tuple):
-        return ("tuple",) + tuple(_constant(v) for v in value)
-    return value
-
-
-def recipe_constants(recipe) -> Tuple:
-    """A recipe's type and fields as nested tuples of Python constants (what dynamo can
-    pass to a function it runs at trace time)."""
-    return _constant(recipe)
-
-
-def _rebuilt(value):
-    if not isinstance(value, tuple):
-        return value
-    if value[0] == "enum":
-        return getattr(recipes, value[1])[value[2]]
-    if value[0] == "dataclass":
-        cls = getattr(recipes, value[1])
-        return cls(**{name: _rebuilt(v) for name, v in value[2]})
-    return tuple(_rebuilt(v) for v in value[1:])
-
-
-_REBUILT: Dict[Tuple, Any] = {}
-
-
-def _recipe_from_constants(constants: Tuple):
-    found = _REBUILT.get(constants)
-    if found is None:
-        found = _REBUILT.setdefault(constants, recipes.validated_copy(_rebuilt(constants)))
-    return found
 
 
 def inside_higher_order_op() -> bool:

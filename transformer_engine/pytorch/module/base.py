@@ -37,10 +37,6 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _same_recipe(a: Optional[Recipe], b: Recipe) -> bool:
-    return a is not None and type(a) is type(b) and a == b
-
-
 def no_autocast(device_type: str):
     """A context with ``torch.autocast`` off for ``device_type`` (a no-op context when
     it is off already: entering ``torch.autocast`` costs host time on every GEMM)."""
@@ -269,12 +265,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         torch_compile.check_compilable_recipe(recipe)
         self.fp8, self.fp8_calibration = fp8, calibrating      # written, not read: no guard
         torch_compile.prepare_pending_modules(recipe)   # before this trace reads fp8_meta
-        # written only when it changes: dynamo guards on the keys of a dict it writes
-        # to, and compares the recipe by fields (not by object)
-        if not _same_recipe(self.fp8_meta["recipe"], recipe):
-            self.fp8_meta["recipe"] = recipe
-        if not self.fp8_meta["fp8_checkpoint"]:
-            self.fp8_meta["fp8_checkpoint"] = True
+        # written, not read: no guard on what the module held before
+        self.fp8_meta["recipe"] = recipe
+        self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():
             state = self.fp8_meta["scaling_fwd"]
             if state is None or state.amax_history.shape[0] != recipe.amax_history_len:

@@ -189,8 +189,14 @@ class Float8Tensor(QuantizedTensor):
 
     # ---- Python protocols -------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:
-        return (f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
-                f"dtype={self.dtype}, value={self.plain()})")
+        try:
+            scale_inv = f"{float(self._scale_inv.item()):.6g}"
+            value = self.plain()
+        except Exception:      # fake or symbolic (torch.compile tracing, its logs): no values
+            return (f"Float8Tensor(fp8_dtype={self.fp8_dtype}, dtype={self.dtype}, "
+                    f"shape={tuple(self.shape)})")
+        return (f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={scale_inv}, "
+                f"dtype={self.dtype}, value={value})")
 
     def __reduce_ex__(self, protocol):
         # the bits as uint8: plain pickle of an FP8-dtype tensor fails in torch 2.13
