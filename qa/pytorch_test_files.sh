@@ -39,6 +39,7 @@ TESTS=(
     tests/pytorch/test_attention_masks.py
     tests/pytorch/test_layer_variants.py
     tests/pytorch/test_triton_kernels.py
+    tests/pytorch/test_torch_compile.py
     tests/pytorch/test_train_gpt.py
     tests/pytorch/test_package_identity.py
     tests/pytorch/test_accelerate.py
