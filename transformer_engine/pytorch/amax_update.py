@@ -55,7 +55,7 @@ from .scaling import copy_before_write
 __all__ = ["AutocastSession", "update_sessions", "request_backward_update", "observe_registrations",
            "collect_backward_updates", "non_finite_counter", "non_finite_amax_count",
            "reset_non_finite_amax_count", "compiled_counter", "make_compiled_counter",
-           "warn_if_non_finite", "update_states"]
+           "note_compiled_use", "update_states"]
 
 
 class _Observer(threading.local):
@@ -316,6 +316,9 @@ class _NonFiniteCounters:
     def __init__(self):
         self.counters: Dict[Tuple[torch.device, int], torch.Tensor] = {}
         self.compiled: Dict[Tuple[torch.device, bool], torch.Tensor] = {}
+        # whether dynamo has traced a TE module (only then are the compiled-code
+        # counters read by the warn-once check, which costs a read each)
+        self.compiled_in_use = False
         self.lock = threading.Lock()
         # the calling thread's own counters by device: the casts' fast path, and all that
         # the check after this thread's updates reads (threads that are gone leave
@@ -353,7 +356,8 @@ class _NonFiniteCounters:
             return
         ident = threading.get_ident()
         mine = [((device, ident), counter) for device, counter in self._mine().items()]
-        mine += [(key + ("compiled",), counter) for key, counter in self.compiled.items()]
+        if self.compiled_in_use:
+            mine += [(key + ("compiled",), counter) for key, counter in self.compiled.items()]
         for key, counter in mine:
             if self._seen(key, counter):
                 self.warned = True
@@ -426,9 +430,14 @@ def compiled_counter(device: torch.device, backward: bool = False) -> torch.Tens
     return found
 
 
-def warn_if_non_finite() -> None:
-    """The warn-once check of eager updates, for an update a compiled graph ran."""
-    _NON_FINITE.warn_once_if_seen()
+def note_compiled_use() -> bool:
+    """Called (for real) while dynamo traces a TE module: from now on the warn-once
+    check also reads the compiled-code counters."""
+    _NON_FINITE.compiled_in_use = True
+    return True
+
+
+note_compiled_use._dynamo_marked_constant = True     # run at trace time (torch_compile.py)
 
 
 def _all_counters() -> List[torch.Tensor]:

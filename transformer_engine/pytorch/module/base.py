@@ -339,6 +339,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         """`prepare_forward` while dynamo traces (NOTE [torch.compile] in
         torch_compile.py): the same plan; the session bookkeeping, the recompute
         stash and the backward update become graph ops or trace-time decisions."""
+        amax_update.note_compiled_use()
         if is_first_microbatch is not None:     # before this trace reads fp8_meta
             torch_compile.prepare_weight_caches()
         fp8, calibrating, recipe = self._take_autocast_state()
