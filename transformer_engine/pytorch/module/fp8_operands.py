@@ -57,10 +57,11 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
     x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`: one pass over ``x`` on
     CUDA); a block-scaled ``x_fp8^T`` is the columnwise copy (NOTE [Block scaling
     layout])."""
-    if plan.delayed:
+    if plan.delayed:        # (views made once, but not while dynamo traces)
         return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                                  state.amax_history if record else None,
-                                                 data, transpose)
+                                                 data, transpose,
+                                                 None if plan.traced else state)
     if plan.recipe.float8_block_scaling():
         return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
     q = getattr(plan.recipe, "fp8_quant_" + role)
@@ -79,7 +80,8 @@ def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, f
     if plan.delayed and plan.is_first_microbatch is None and not isinstance(weight, Float8Tensor):
         return quantize.cast_pair_unchecked(x, weight, state.scale, dtype, index,
                                             state.amax_history if plan.record_amax else None,
-                                            transpose_x, transpose_w)
+                                            transpose_x, transpose_w,
+                                            None if plan.traced else state)
     return (cast_operand(x, plan, state, index, dtype, plan.record_amax, "fwd_inp",
                          transpose=transpose_x),
             fp8_weight(weight, plan, fp8_meta, state, index + 1, gemm, dtype, transpose_w))
