@@ -470,3 +470,14 @@ def test_inductor_casts_give_eager_fp8_bits(dtype, producer):
     for a, b in zip(ref, got):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert torch.equal(history_eager, history_compiled)
+
+
+def test_the_usage_snippet_of_the_docs_runs():
+    """docs/torch-compile.md's code block runs as printed."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "torch-compile.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/torch-compile.md", "exec"), {})
