@@ -481,3 +481,13 @@ def test_the_usage_snippet_of_the_docs_runs():
     assert blocks
     for block in blocks:
         exec(compile(block, "docs/torch-compile.md", "exec"), {})
+
+
+def test_a_deep_copied_module_compiles():
+    """A copy (deepcopy, pickle) gets its FP8 state made at the first trace too."""
+    import copy
+    layer = copy.deepcopy(te.Linear(H, H, device="cpu"))
+    run = torch.compile(lambda m, x: m(x), fullgraph=True, backend="aot_eager")
+    with te.autocast(recipe=RECIPES["delayed"]):
+        run(layer, torch.randn(TOKENS, H, requires_grad=True)).sum().backward()
+    assert layer.fp8_meta["scaling_fwd"].amax_history.abs().sum() > 0

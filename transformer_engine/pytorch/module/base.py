@@ -180,6 +180,11 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def __setstate__(self, state) -> None:
         # pickling leaves a Float8Tensor's quantizer behind: bind this module's again
         super().__setstate__(state)
+        # a copy is a module of its own for compiled code (NOTE [torch.compile])
+        torch_compile.MODULES.add(self)
+        meta = self.__dict__.get("fp8_meta")
+        if meta is not None and meta.get("scaling_fwd") is None:
+            torch_compile.PENDING.add(self)
         if self.__dict__.get("fp8_weight_recipe") is not None:
             for name, init in self._init_table().items():
                 param = self._parameters.get(name)
