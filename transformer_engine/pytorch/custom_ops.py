@@ -13,9 +13,10 @@ NOTE [Custom ops]
       place between the forward and the backward (the autocast's exit), so a recompute
       from it would cast with the new scale. An opaque op is not recomputed (not in
       the partitioner's recomputable list): the backward reads the saved copy.
-    - ``cast_transpose`` / ``fp8_gemm``: the eager path's fused cast (one Triton pass on
-      CUDA: amax into the history slot, cast, transposed copy) and FP8 GEMM, for
-      ``KernelConfig(compiled_casts="custom_ops")``.
+    - ``cast_transpose`` / ``fp8_gemm``: the eager path's delayed-scaling cast (one
+      Triton pass on CUDA: amax into the history slot, cast, transposed copy) and FP8
+      GEMM, for compiled code that wants this package's kernels rather than the ops
+      Inductor generates (the modules' compiled path uses the latter).
 
     Other files (the fused producer kernels) register their ops in the same namespace.
 """

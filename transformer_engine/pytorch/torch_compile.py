@@ -35,22 +35,31 @@ NOTE [torch.compile]
       using it and links the copy to the checkpoint call's frame (`stash_in_frame`);
       when the recompute starts, the frame puts the stashed states on each module's
       ``fp8_meta`` in call order, and the recompute's graph reads them from there
-      (`recompute_state`).
-    - Nothing identity-hashed in the traced path: recipes are compared by their fields,
-      so dynamo guards on fields, and a new recipe object with equal fields runs the
-      same graph. A recipe with a callable (``amax_compute_algo``,
+      (`recompute_state`), reading and writing them as the first forward's graph did
+      the live ones, so that both graphs save the same tensors for backward (a
+      non-reentrant checkpoint hands the recompute's saved tensors to the first
+      forward's backward, by position).
+    - What dynamo guards on must not change between steps: the traced path writes the
+      module's flags and recipe without reading them, and what a graph cannot make (a
+      module's delayed-scaling state, the keys of its FP8 weight cache, the counters)
+      is made for real before it is read: by the modules when built, or at trace time
+      by functions dynamo runs for real (`prepare_pending_modules`,
+      `prepare_weight_caches`). Nothing identity-hashed is in the traced path, so a new
+      recipe object with equal fields runs the same graph; a changed field compiles
+      once more. A recipe with a callable (``amax_compute_algo``,
       ``scaling_factor_compute_algo``) cannot be compiled and says so.
 
-    Where compiled training differs from eager (documented in docs/torch-compile.md):
-    a module's FP8 state is created at its first FP8 forward, and when that forward
-    is compiled dynamo compiles once more at the next call (it then guards on the
-    state that exists); a module called more than once in one compiled function under
-    an autocast entered outside it updates its backward state once per call; a
-    module whose forward had no input requiring grad runs no backward and keeps its
-    backward state (eager rolls it with its session); a module run by two compiled
-    regions whose backwards run in one pass updates its backward state in each
-    (eager: once per pass). Non-finite amaxes seen by compiled code are counted in one
-    counter per device (shared by threads), and warned about at the next eager update.
+    Where compiled training differs from eager (docs/torch-compile.md): the first traced
+    delayed-scaling forward gives every TE module without delayed-scaling state a fresh
+    one, also modules that never run in FP8; a module called more than once in one
+    compiled function under an autocast entered outside it updates its backward state
+    once per call; a module whose forward had no input requiring grad runs no backward
+    and keeps its backward state (eager rolls it with its session); a module run by two
+    compiled regions whose backwards run in one pass updates its backward state in each
+    (eager: once per pass); a recompute runs in the train/eval mode of the moment.
+    Non-finite amaxes seen by compiled code are counted in two counters per device
+    (forward and backward graphs, shared by threads) and warned about at the next eager
+    update.
 """
 
 from __future__ import annotations
