@@ -23,9 +23,10 @@ setup(
     # torch is not pinned here (the GPU machine has 2.11); CI pins torch==2.13.0 itself.
     install_requires=["torch>=2.11"],
     # tqdm: the progress bar of examples/pytorch/train_gpt.py (whose tests need it too);
-    # accelerate: the HF Accelerate client test; megatron-core: the Megatron import test
-    # (its only requirements are torch>=2.6, numpy and packaging: no CUDA build of torch)
+    # accelerate: the HF Accelerate client test. Megatron Core, the other client, is not
+    # an extra: its releases declare Requires-Python >= 3.12, which no extra can override;
+    # qa/make_venv.sh installs it with the test extras from qa/megatron_requirements.txt.
     extras_require={"test": ["pytest>=7", "numpy", "ruff", "packaging", "accelerate==1.16.0",
-                             "tqdm==4.70.1", "megatron-core==0.16.1"],
+                             "tqdm==4.70.1"],
                     "plot": ["matplotlib", "tqdm==4.70.1"]},
 )

@@ -51,7 +51,8 @@ import transformer_engine.pytorch as te  # noqa: E402
 from common import environment, table, write_json  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling  # noqa: E402
 from transformer_engine.pytorch import amax_update as update_module  # noqa: E402
-from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: E402
+from transformer_engine.pytorch.fp8 import (RECOMPUTE_STASH_KEY,  # noqa: E402
+                                            FP8GlobalStateManager)
 
 _HOOKS = ("copy_forward_fp8_meta_tensors_for_recompute",
           "get_old_fp8_meta_tensors_for_recompute", "restore_fp8_meta_tensors")
@@ -65,17 +66,18 @@ def no_fp8_recompute_bookkeeping():
     uses the live scales."""
     saved = {name: FP8GlobalStateManager.__dict__[name] for name in _HOOKS}
 
-    def copy(cls, fp8_meta, session=None):
-        fp8_meta["_bench_session"] = session
+    def copy(fp8_meta):
+        fp8_meta["_bench_session"] = FP8GlobalStateManager.current_session()
 
-    def get_old(cls, fp8_meta):
-        return types.SimpleNamespace(scaling_fwd=fp8_meta["scaling_fwd"],
-                                     session=fp8_meta.get("_bench_session"), weights={})
+    def get_old(fp8_meta):
+        # what the module reads after this hook (the hooks return nothing, as TE's)
+        fp8_meta[RECOMPUTE_STASH_KEY] = types.SimpleNamespace(
+            session=fp8_meta.get("_bench_session"), weights={})
 
-    def restore(cls, fp8_meta):
-        pass
+    def restore(fp8_meta):
+        fp8_meta.pop(RECOMPUTE_STASH_KEY, None)
     for name, fn in zip(_HOOKS, (copy, get_old, restore)):
-        setattr(FP8GlobalStateManager, name, classmethod(fn))
+        setattr(FP8GlobalStateManager, name, staticmethod(fn))
     try:
         yield
     finally:
@@ -100,8 +102,8 @@ def timed_fp8_recompute_bookkeeping(seconds: list):
             finally:
                 seconds[0] += time.perf_counter() - t0
         return wrapper
-    for name, method in saved.items():
-        setattr(FP8GlobalStateManager, name, classmethod(timed(method.__func__)))
+    for name in saved:
+        setattr(FP8GlobalStateManager, name, staticmethod(timed(getattr(FP8GlobalStateManager, name))))
     update_module.copy_before_write = timed(saved_copy)
     try:
         yield

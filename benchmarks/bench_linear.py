@@ -16,7 +16,7 @@ repeats after warm-up (L2 flushed between repeats):
 - ``te_fp8``: ``te.Linear`` (bf16 parameters and activations) inside
   ``te.autocast(recipe=DelayedScaling())``, forward + backward, with the delayed
   scaling updates, in the default configuration (the fused kernels of NOTE [Fused
-  casts], launched as NOTE [Launch overhead] in triton_launch.py says);
+  casts], launched as NOTE [Launch overhead] in kernels/launch.py says);
   ``te_fp8_jit``: the same with every Triton launch through Triton's JIT;
   ``te_fp8_unfused``: the same with the torch reference casts and update;
   ``te_fp8_block`` / ``te_fp8_block_emulated`` (only when named in ``--variants``):
@@ -137,7 +137,7 @@ def launch_overhead_us(launches: int = 2000) -> dict:
     """Host cost of one launch of the cast kernel on a tiny tensor (us), through
     Triton's JIT and through the cached compiled kernel (NOTE [Launch overhead]);
     of small torch ops, for scale; and of a tiny GEMM, bf16 and FP8."""
-    from transformer_engine.pytorch import triton_kernels as tk
+    from transformer_engine.pytorch.kernels import casts as tk
     x = torch.randn(64, 64, device="cuda", dtype=BF16)
     scale, hist = torch.ones(1, device="cuda"), torch.zeros(4, 1, device="cuda")
     out = {}
@@ -175,7 +175,7 @@ def _category(name: str) -> str:
 def tune_cast(timer) -> list:
     """GB/s of the fused cast (bf16 8192x8192 -> FP8 + FP8^T + amax) per tile setting,
     and of a plain device copy (the bandwidth ceiling)."""
-    from transformer_engine.pytorch import triton_kernels as tk
+    from transformer_engine.pytorch.kernels import casts as tk
     x = torch.randn(8192, 8192, device="cuda", dtype=BF16)
     scale, slot = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
     moved = x.numel() * (2 + 1 + 1)
@@ -234,7 +234,7 @@ def main(argv=None):
             torchao_error = f"{type(err).__name__}: {err}"
             env["torchao"] = None
     use_torchao = not args.no_torchao and torchao_error is None
-    from transformer_engine.pytorch import triton_kernels
+    from transformer_engine.pytorch.kernels import casts as triton_kernels
     result = {"env": env, "shapes": [list(s) for s in args.shapes], "results": [],
               "torchao_error": torchao_error,
               "kernel_config": dataclasses.asdict(get_kernel_config()),

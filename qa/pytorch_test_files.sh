@@ -6,9 +6,13 @@ TESTS=(
     tests/pytorch/test_recipe_fields.py
     tests/pytorch/test_bad_input.py
     tests/pytorch/test_extra_state.py
+    tests/pytorch/test_extra_state_fuzz.py
+    tests/pytorch/test_checkpoint_files_doc.py
     tests/pytorch/test_quantize.py
     tests/pytorch/test_block_scaling.py
     tests/pytorch/test_block_scaling_modules.py
+    tests/pytorch/test_block_gemm_routing.py
+    tests/pytorch/test_backward_override.py
     tests/pytorch/test_fp8_shapes.py
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
@@ -21,14 +25,19 @@ TESTS=(
     tests/pytorch/test_checkpoint_api.py
     tests/pytorch/test_weight_cache.py
     tests/pytorch/test_fp8_params.py
+    tests/pytorch/test_fp8_block_params.py
+    tests/pytorch/test_quantized_param_moves.py
     tests/pytorch/test_skip_weight_update.py
     tests/pytorch/test_threads.py
     tests/pytorch/test_backward_update.py
     tests/pytorch/test_non_finite_amax.py
     tests/pytorch/test_host_overhead.py
     tests/pytorch/test_recompute_edges.py
+    tests/pytorch/test_recompute_hooks.py
+    tests/pytorch/test_recompute_invariance.py
     tests/pytorch/test_module_copies.py
     tests/pytorch/test_graph.py
+    tests/pytorch/test_graph_api.py
     tests/pytorch/test_graph_dropout.py
     tests/pytorch/test_rng_tracker.py
     tests/pytorch/test_modules.py
@@ -37,17 +46,24 @@ TESTS=(
     tests/pytorch/test_module_params.py
     tests/pytorch/test_rotary.py
     tests/pytorch/test_attention_masks.py
+    tests/pytorch/test_strided_inputs.py
     tests/pytorch/test_layer_variants.py
     tests/pytorch/test_triton_kernels.py
+    tests/pytorch/test_fused_producers.py
     tests/pytorch/test_torch_compile.py
     tests/pytorch/test_train_gpt.py
     tests/pytorch/test_package_identity.py
+    tests/pytorch/test_public_paths.py
+    tests/pytorch/test_te_yardstick_harness.py
+    tests/pytorch/test_docs_snippets.py
     tests/pytorch/test_accelerate.py
     tests/pytorch/test_megatron_import.py
+    tests/pytorch/test_megatron_gpt.py
     tests/pytorch/test_megatron_moe.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py
     tests/pytorch/distributed/test_tensor_parallel_layer.py
     tests/pytorch/distributed/test_distributed_checkpoint.py
+    tests/pytorch/distributed/test_dcp_fp8_state.py
 )

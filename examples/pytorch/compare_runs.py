@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -40,17 +41,29 @@ def fp8_scales(model) -> torch.Tensor:
 
 def saved_activations_mb(args) -> float:
     """MB of the tensors autograd keeps for backward in one training forward (not the
-    parameters): what checkpointing saves."""
-    storages = {}
+    parameters): what checkpointing saves. Counted once the forward has returned: a
+    tensor saved for a graph that is already gone (a reentrant checkpoint's first
+    forward keeps none of its graph) is not kept."""
+    saved = []
 
     def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        if isinstance(t, torch.nn.Parameter):
+            return t
+        # an alias without autograd history: a saved output would otherwise hold its
+        # own graph in a cycle and outlive it
+        held = t.detach()
+        saved.append(weakref.ref(held))
+        return held
 
     x, _ = get_batch(load_tokens(args.data), args, torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        GPT(args, torch.device(args.device))(x.to(args.device))
+        out = GPT(args, torch.device(args.device))(x.to(args.device))
+    storages = {}
+    for ref in saved:
+        t = ref()
+        if t is not None:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    del out
     return sum(storages.values()) / 2**20
 
 

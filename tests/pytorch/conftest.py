@@ -6,6 +6,8 @@ import torch
 from transformer_engine.pytorch import global_state, recompute
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 import helpers
+# the Megatron tests' fixtures (a deadline, a gloo group with Megatron's parallel state)
+from megatron_helpers import client_deadline, megatron_on_cpu  # noqa: F401
 
 
 @pytest.fixture(autouse=True)

@@ -245,16 +245,16 @@ def maybe_checkpoint(checkpointed, use_reentrant, fn, *args, **kwargs):
 
 
 def record_recompute_scales(monkeypatch) -> list:
-    """Wrap the hook that swaps a stash in; returns the list it fills with
-    ``(id of the module's fp8_meta, the forward scale swapped in)``, one per recompute."""
+    """Wrap the hook that swaps a stash in (with TE's signature: one argument, nothing
+    returned); returns the list it fills with ``(id of the module's fp8_meta, the
+    forward scale swapped in)``, one per recompute."""
     used = []
-    real = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute.__func__
+    real = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute
 
-    def recording(cls, fp8_meta):
-        entry = real(cls, fp8_meta)
-        used.append((id(fp8_meta), tuple(entry.scaling_fwd.scale.tolist())))
-        return entry
+    def recording(fp8_meta):
+        real(fp8_meta)
+        used.append((id(fp8_meta), tuple(fp8_meta["scaling_fwd"].scale.tolist())))
 
     monkeypatch.setattr(FP8GlobalStateManager, "get_old_fp8_meta_tensors_for_recompute",
-                        classmethod(recording))
+                        staticmethod(recording))
     return used

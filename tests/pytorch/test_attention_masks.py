@@ -297,3 +297,84 @@ BAD_CALLS = [
 def test_bad_calls_are_refused(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# ---- attention_mask with the mask types that do not read it ---------------------------------
+# TE reads attention_mask only for the padding types and "arbitrary"; with the others the
+# output and gradients are those of no mask, whatever the mask holds.
+
+def _odd_masks(b, sq, skv):
+    """Masks that would change (or break) the output if they were read."""
+    everything = torch.ones(sq, skv, dtype=torch.bool)               # masks every key
+    half = torch.arange(skv) >= skv // 2
+    return {"all-true": everything, "padding-shaped": half.expand(b, 1, 1, skv).clone(),
+            "pair": (half[:sq].expand(b, 1, 1, sq).clone(), half.expand(b, 1, 1, skv).clone()),
+            "int": torch.ones(b, 1, 1, skv, dtype=torch.int64)}
+
+
+def _out_and_grads(fn, inputs):
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*inputs)
+    out.backward(torch.ones_like(out))
+    return [out.detach()] + [t.grad for t in inputs]
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
+def test_dpa_ignores_attention_mask_of_maskless_types(mask_type, fmt):
+    sq, skv = 5, 7
+    q, k, v = _qkv(sq, skv, fmt)
+    dpa = _dpa(mask_type, qkv_format=fmt)
+    plain = _out_and_grads(dpa, (q, k, v))
+    for mask in _odd_masks(B, sq, skv).values():
+        masked = _out_and_grads(lambda *t: dpa(*t, attention_mask=mask), (q, k, v))
+        _assert_same(masked, plain)
+    # the same mask under "arbitrary" is read: the output changes
+    half = _odd_masks(B, sq, skv)["padding-shaped"]
+    assert not torch.equal(_dpa("arbitrary", qkv_format=fmt)(q, k, v, half), plain[0])
+
+
+def test_dpa_thd_ignores_attention_mask_of_maskless_types():
+    t = torch.randn(9, H, D, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    dpa = _mha("causal", qkv_format="thd")
+    plain = dpa(t, t, t, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    masked = dpa(t, t, t, torch.ones(9, 9, dtype=torch.bool), cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert torch.equal(masked, plain)
+
+
+@pytest.mark.parametrize("attention_type", ["self", "cross"])
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
+def test_multihead_attention_ignores_attention_mask_of_maskless_types(mask_type, attention_type):
+    torch.manual_seed(0)
+    mha = te.MultiheadAttention(16, 2, attention_dropout=0.0, attn_mask_type=mask_type,
+                                attention_type=attention_type)
+    x = torch.randn(5, B, 16)
+    enc = torch.randn(7, B, 16) if attention_type == "cross" else None
+    skv = 7 if attention_type == "cross" else 5
+    plain = _out_and_grads(lambda h: mha(h, encoder_output=enc), (x,))
+    masks = _odd_masks(B, 5, skv)
+    for mask in (masks["all-true"], masks["pair"]):
+        masked = _out_and_grads(lambda h: mha(h, attention_mask=mask, encoder_output=enc), (x,))
+        _assert_same(masked, plain)
+
+
+@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
+def test_transformer_layer_ignores_attention_masks_of_maskless_types(mask_type):
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0,
+                                layer_type="decoder", self_attn_mask_type=mask_type,
+                                enc_dec_attn_mask_type=mask_type)
+    x, enc = torch.randn(5, B, 16), torch.randn(7, B, 16)
+    plain = _out_and_grads(lambda h, e: layer(h, encoder_output=e), (x, enc))
+    self_masks, cross_masks = _odd_masks(B, 5, 5), _odd_masks(B, 5, 7)
+    for name in ("all-true", "int"):
+        masked = _out_and_grads(lambda h, e: layer(
+            h, attention_mask=self_masks[name], encoder_output=e,
+            enc_dec_attn_mask=cross_masks[name]), (x, enc))
+        _assert_same(masked, plain)

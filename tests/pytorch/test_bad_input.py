@@ -18,7 +18,6 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (DelayedScaling, Float8CurrentScaling, Format,
                                                MXFP8BlockScaling)
 from helpers import assert_states_equal, fp8_state_snapshot, fp8_training_steps
-from references import padding_mask
 
 CPU = "cpu"
 
@@ -477,10 +476,6 @@ CALL_CASES = [
                 attention_mask=torch.zeros(2, 1, 1, 16, dtype=torch.long)), ValueError,
           r"padding mask for the queries must be a bool tensor of shape \[batch, 1, 1, seq\] = "
           r"\[2, 1, 1, 16\].*got torch.int64", "dpa-padding-mask-int"),
-    _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, _qkv, _qkv,
-                attention_mask=padding_mask(2, 16, [16, 16])), ValueError,
-          "te.DotProductAttention: attn_mask_type='causal' takes no attention_mask",
-          "dpa-causal-with-mask"),
     _case(_call(lambda: te.DotProductAttention(4, 16), _qkv, lambda: _qkv(heads=2),
                 lambda: _qkv(heads=2)), ValueError,
           r"key_layer must be \[seq, batch, heads, d\] \(sbhd\) with 4 heads of size d=16, got "
@@ -736,7 +731,7 @@ PAYLOAD_CASES = [
           "history-too-long"),
     _case(_edit(_set_recipe("amax_compute_algo", collections.OrderedDict)),
           ValueError, INVALID + r"recipe: amax_compute_algo must be one of \('max', "
-          r"'most_recent'\), got <class 'collections.OrderedDict'>", "recipe-callable-amax-algo"),
+          r"'most_recent'\), got <global collections.OrderedDict>", "recipe-callable-amax-algo"),
     _case(_edit(_set_recipe("scaling_factor_compute_algo", collections.OrderedDict)),
           ValueError, INVALID + "recipe: scaling_factor_compute_algo must be None",
           "recipe-callable-scale-algo"),
@@ -757,12 +752,12 @@ PAYLOAD_CASES = [
           "FP8 extra state never holds", "recipe-unknown-type"),
     _case(_edit(_set("recipe", lambda r: [r])), ValueError,
           "recipe: expected None or a DelayedScaling, Float8CurrentScaling or "
-          "Float8BlockScaling, got list", "recipe-list"),
+          r"Float8BlockScaling, got \[<DelayedScaling object>\]", "recipe-list"),
     _case(_edit(_set("recipe", lambda r: print)), ValueError,
           INVALID + "it refers to builtins.print, which an FP8 extra state never holds",
           "unsafe-pickle"),
     _case(lambda p: _encode([1, 2, 3]), ValueError,
-          INVALID + r"expected a dict with keys 'recipe' and 'extra_fp8_variables' .*got list",
+          INVALID + r"expected a dict with keys 'recipe' and 'extra_fp8_variables' .*got \[1, 2, 3\]",
           "payload-list"),
     _case(lambda p: p[: p.numel() // 2].clone(), ValueError,
           INVALID + r"its bytes are not a complete pickle \(truncated or corrupted",
@@ -784,8 +779,8 @@ PAYLOAD_CASES = [
           r"expected a dict with keys \['recipe', 'scaling_bwd', 'scaling_fwd'\], got "
           r"\['recipe', 'scaling_bwd', 'scaling_fwd', 'version'\]", "archive-extra-key"),
     _case(_archive(lambda d: d.update(recipe=print)), ValueError,
-          INVALID + r"torch.load\(weights_only=True\) refuses its contents \(objects other than "
-          "tensors and plain Python values", "archive-unsafe"),
+          INVALID + r"it refers to __builtin__.print, which an FP8 extra state never holds",
+          "archive-unsafe"),
     _case(lambda p: _archive(lambda d: None)(p)[:200].clone(), ValueError,
           INVALID + r"its bytes are not a complete torch.save archive \(truncated or corrupted",
           "archive-truncated"),

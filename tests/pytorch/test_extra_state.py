@@ -3,11 +3,17 @@ it bit for bit, empty payloads change nothing, and a history saved with another 
 than the recipe in force is adapted (most recent amaxes and the scales kept), never
 dropped. Refused payloads: test_bad_input.py."""
 
+import copy
+import io
+import pickle
+import sys
+
 import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
+                                              Float8CurrentScaling, Format)
 from transformer_engine.pytorch import delayed_scaling
 from helpers import assert_states_equal, cuda_fp8, fp8_state_snapshot, fp8_training_steps
 
@@ -309,3 +315,177 @@ def test_nvidias_te_options_not_implemented_here_are_refused(tmp_path):
                                          r"is not implemented"):
         lin.set_extra_state(_te_written_payload(tmp_path, "stochastic"))
     assert lin.fp8_meta == before
+
+
+# ---- what a payload names: TE's globals only, Megatron's storage loader accepted -------------
+
+_RECIPE = "transformer_engine.common.recipe"
+# The globals NVIDIA's TE's payload names (its recipe classes are dataclasses of
+# transformer_engine.common.recipe, a Format is pickled by its _FormatHelper value, a
+# tensor by torch's rebuild functions).
+TE_PAYLOAD_GLOBALS = {(_RECIPE, n) for n in ("DelayedScaling", "Float8CurrentScaling",
+                                             "Float8BlockScaling", "Format", "_FormatHelper",
+                                             "QParams", "MMParams")} | {
+    ("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes"),
+    ("collections", "OrderedDict")}
+# Megatron Core 0.19.2's SafeUnpickler allow-list for grouped FP8 extra state
+# (megatron/core/safe_globals.py), the globals among it.
+MEGATRON_0_19_ALLOW_LIST = {(_RECIPE, n) for n in (
+    "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+    "NVFP4BlockScaling", "Format", "_FormatHelper", "MMParams", "QParams")} | {
+    ("collections", "OrderedDict"), ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._tensor", "_rebuild_from_type_v2"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "_load_from_bytes"), ("megatron.core.safe_globals", "safe_load_from_bytes"),
+    ("megatron.core.extensions.transformer_engine", "TEDelayedScaling")}
+
+
+class _RecordingUnpickler(pickle.Unpickler):
+    """Unpickles a payload this test trusts, recording the globals it names, refusing
+    any outside ``allowed`` (as Megatron's SafeUnpickler does)."""
+
+    def __init__(self, data, allowed):
+        super().__init__(io.BytesIO(data))
+        self.allowed, self.named = allowed, set()
+
+    def find_class(self, module, name):
+        self.named.add((module, name))
+        if (module, name) not in self.allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=2), Float8CurrentScaling(),
+                                    Float8BlockScaling()], ids=["delayed", "current", "block"])
+def test_payload_names_only_what_tes_payload_names(recipe):
+    """Megatron unpickles grouped extra state with its own allow-list: the payload
+    names only TE's globals (no torch dtype, no _FormatSpec, no recipe_fields), and
+    unpickles under Megatron's list to the recipe and the tensors."""
+    features = 128 if isinstance(recipe, Float8BlockScaling) else 16
+    lin = te.Linear(features, features, device=CPU)
+    fp8_training_steps(lin, recipe, [1.0], features=features)
+    raw = lin.get_extra_state().numpy().tobytes()
+    reader = _RecordingUnpickler(raw, MEGATRON_0_19_ALLOW_LIST)
+    data = reader.load()
+    # where megatron.core was imported first, torch's storage loader is Megatron's, and
+    # TE's own payload names it as well
+    storage_loader = torch.storage._load_from_bytes
+    expected = TE_PAYLOAD_GLOBALS | {(storage_loader.__module__, storage_loader.__name__)}
+    assert reader.named <= expected, reader.named - expected
+    assert (_RECIPE, type(recipe).__name__) in reader.named
+    assert data["recipe"] == recipe and data["recipe"].fp8_format is recipe.fp8_format
+
+
+def test_payload_naming_megatrons_storage_loader_loads(tmp_path):
+    """After ``import megatron.core`` torch's storage loader is Megatron's
+    ``safe_load_from_bytes``, so tensors pickled then name it: such a payload loads,
+    bit for bit, read as torch's storage format (nothing imported or called)."""
+    from pickle_ops import assemble, ops
+    saved = te.Linear(16, 16, device=CPU)
+    fp8_training_steps(saved, DelayedScaling(amax_history_len=3), [1.0, 4.0])
+    renamed = {"torch.storage": "megatron.core.safe_globals",
+               "_load_from_bytes": "safe_load_from_bytes"}
+    op_list = [(name, renamed.get(arg, arg) if isinstance(arg, str) else arg)
+               for name, arg in ops(saved.get_extra_state().numpy().tobytes())]
+    payload = assemble(op_list)
+    assert b"megatron.core.safe_globals" in payload and b"torch.storage" not in payload
+    modules = set(sys.modules)
+    loaded = te.Linear(16, 16, device=CPU)
+    loaded.set_extra_state(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    assert set(sys.modules) == modules
+    assert_states_equal(fp8_state_snapshot([loaded]), fp8_state_snapshot([saved]))
+
+
+def test_payload_pickles_as_a_plain_uint8_tensor():
+    """``torch.save`` of a state dict, ``torch.load(weights_only=True)``, deepcopy: the
+    payload is a plain uint8 tensor to them, and loads."""
+    a = te.LayerNormMLP(16, 32, device=CPU)
+    fp8_training_steps(a, DelayedScaling(amax_history_len=2), [1.0])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert type(state["_extra_state"]) is torch.Tensor
+    original = a.state_dict()
+    copied = copy.deepcopy(original)
+    assert type(copied["_extra_state"]) is type(original["_extra_state"])
+    assert torch.equal(copied["_extra_state"].plain(), original["_extra_state"].plain())
+    for source in (state, copied):
+        b = te.LayerNormMLP(16, 32, device=CPU)
+        b.load_state_dict(source)
+        assert_states_equal(fp8_state_snapshot([b]), fp8_state_snapshot([a]))
+
+
+def test_pickled_none_loads_as_nothing_and_an_empty_state_is_refused():
+    """TE 1 pickled None for a module without FP8 state: it changes nothing. A dict
+    with neither a recipe nor scales (never written) is refused."""
+    m = te.Linear(16, 16, device=CPU)
+    fp8_training_steps(m, DelayedScaling(amax_history_len=2), [1.0])
+    before = fp8_state_snapshot([m])
+    m.set_extra_state(torch.frombuffer(bytearray(pickle.dumps(None)), dtype=torch.uint8))
+    assert_states_equal(fp8_state_snapshot([m]), before)
+    empty = {"recipe": None, "extra_fp8_variables": {"num_gemms": 1}}
+    with pytest.raises(ValueError, match="it holds neither a recipe nor a scaling state"):
+        m.set_extra_state(torch.frombuffer(bytearray(pickle.dumps(empty)), dtype=torch.uint8))
+    assert_states_equal(fp8_state_snapshot([m]), before)
+    # and a module that never ran FP8 writes the empty tensor, which loads as nothing
+    fresh = te.Linear(16, 16, device=CPU).get_extra_state()
+    assert fresh.numel() == 0
+    m.set_extra_state(fresh)
+    assert_states_equal(fp8_state_snapshot([m]), before)
+
+
+# ---- torch.distributed.checkpoint in one process ------------------------------------------
+
+def _model():
+    torch.manual_seed(11)
+    return torch.nn.Sequential(te.LayerNormMLP(16, 32, device=CPU), te.Linear(16, 16, device=CPU))
+
+
+def _train(model, recipe, steps, seed):
+    """``steps`` SGD steps; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(16, 16, generator=g) * (1.0 + step)
+        with te.autocast(recipe=recipe):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("target", ["fresh", "warmed-other-history", "warmed-current-scaling"])
+def test_dcp_restores_fp8_state_into_any_model(tmp_path, target):
+    """dcp.save from a trained model, dcp.load into a fresh one or one warmed with
+    another recipe: every module's FP8 state back bit for bit, and the next step
+    bit-identical to the uninterrupted run's."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    recipe = DelayedScaling(amax_history_len=3)
+    saved = _model()
+    _train(saved, recipe, 2, seed=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(saved.state_dict(), checkpoint_id=tmp_path)
+    at_save = fp8_state_snapshot(list(saved))
+    loaded = _model()
+    if target != "fresh":
+        other = DelayedScaling(amax_history_len=7) if target == "warmed-other-history" \
+            else Float8CurrentScaling()
+        _train(loaded, other, 1, seed=2)
+    state = loaded.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=tmp_path)
+    loaded.load_state_dict(state)
+    assert_states_equal(fp8_state_snapshot(list(loaded)), at_save, "after dcp.load")
+    assert all(m.fp8_meta["recipe"] == recipe for m in loaded)
+    expect, got = _train(saved, recipe, 1, seed=3), _train(loaded, recipe, 1, seed=3)
+    assert torch.equal(expect[0], got[0])
+    for p, q in zip(saved.parameters(), loaded.parameters()):
+        assert torch.equal(p, q)
+    assert_states_equal(fp8_state_snapshot(list(loaded)), fp8_state_snapshot(list(saved)),
+                        "one step later")

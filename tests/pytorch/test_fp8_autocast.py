@@ -1,5 +1,7 @@
 """FP8 autocast and the delayed-scaling update, checked against hand computations."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,3 +219,39 @@ def test_bad_autocast_arguments(call, match):
 def test_is_fp8_available_on_cpu():
     assert te.is_fp8_available(device="cpu") is True
     assert te.is_fp8_available(return_reason=True, device="cpu") == (True, "")
+
+
+def test_meta_tensor_keys_name_the_scaling_states():
+    m = te.Linear(16, 16, device="cpu")
+    with te.autocast(recipe=DelayedScaling()):
+        m(torch.randn(16, 16)).sum().backward()
+    fwd = FP8GlobalStateManager.get_meta_tensor_key(forward=True)
+    bwd = FP8GlobalStateManager.get_meta_tensor_key(forward=False)
+    assert (fwd, bwd, FP8GlobalStateManager.get_meta_tensor_key()) == \
+        ("scaling_fwd", "scaling_bwd", "scaling_fwd")
+    assert m.fp8_meta[fwd].amax_history.shape[1] == 2         # input and weight
+    assert m.fp8_meta[bwd].amax_history.shape[1] == 1         # grad_output
+
+
+def test_recipe_type_change_warns_once():
+    """TE warns when a module runs under a recipe of another kind than its last one
+    (neither class a subclass of the other); the same kind with other settings, or a
+    fresh instance of the new kind, is silent."""
+    m = te.Linear(16, 16, device="cpu")
+    x = torch.randn(16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for recipe in (DelayedScaling(), DelayedScaling(margin=1)):
+            with te.autocast(recipe=recipe):
+                m(x)
+    with pytest.warns(UserWarning, match="Linear: Recipe type changed from DelayedScaling to "
+                                         "Float8CurrentScaling. This may affect model behavior"):
+        with te.autocast(recipe=Float8CurrentScaling()):
+            m(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with te.autocast(recipe=Float8CurrentScaling()):
+            m(x)
+    with pytest.warns(UserWarning, match="from Float8CurrentScaling to DelayedScaling"):
+        with te.autocast(recipe=DelayedScaling()):
+            m(x)

@@ -29,9 +29,19 @@ STEPS = 5
     ({"enabled": True, "num_warmup_iters": 0}, ValueError, "must be >= 1 with FP8"),
     ({"cache_quantized_params": True}, ValueError,
      "cache_quantized_params=True caches FP8 weights, so it needs enabled=True"),
-    ({"_order": [1, -1]}, NotImplementedError, "interleaved pipeline-parallel"),
+    ({"_order": [1, 1, -1, -1]}, NotImplementedError, r"_order=\[1, 1, -1, -1\] is not "
+                                                     "implemented: only the default schedule"),
+    ({"_reuse_graph_input_output_buffers": True}, NotImplementedError,
+     "_reuse_graph_input_output_buffers=True"),
+    ({"clone_param_grads_on_return": 1}, TypeError,
+     "clone_param_grads_on_return must be a bool, got 1"),
+    ({"capture_time_hooks": [{"forward_hook": {}}]}, ValueError,
+     r"capture_time_hooks\[0\] has unexpected keys \['forward_hook'\]"),
+    ({"capture_time_hooks": [None, None]}, ValueError,
+     r"capture_time_hooks must hold one entry per callable \(1\)"),
+    ({"pre_warmup_hook": 3}, TypeError, "pre_warmup_hook must be callable or None"),
 ], ids=["enabled-int", "recipe-str", "warmup-negative", "warmup-zero-fp8", "weight-cache",
-        "order"])
+        "order", "reuse-buffers", "clone-int", "hook-key", "hooks-count", "pre-hook"])
 def test_bad_arguments(kwargs, error, match):
     lin = te.Linear(16, 16, device="cpu")
     with pytest.raises(error, match=match):
@@ -53,10 +63,13 @@ def test_deprecated_spellings_warn_and_must_agree():
 
 def test_sample_args_must_match_the_callables():
     lin = te.Linear(16, 16, device="cpu")
-    with pytest.raises(ValueError, match="one tuple of tensors per callable"):
+    with pytest.raises(ValueError, match=r"one tuple \(or list\) of tensors per callable "
+                                         r"\(2\), got tuple of 1"):
         te.make_graphed_callables((lin, lin), (torch.randn(16, 16),))
-    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple of tensors"):
+    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple or list of tensors"):
         te.make_graphed_callables(lin, (torch.randn(16, 16), 3))
+    with pytest.raises(TypeError, match=r"sample_args\[0\] must be a tuple or list of tensors"):
+        te.make_graphed_callables(lin, [torch.randn(16, 16), 3])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
+from transformer_engine.pytorch.ops.basic.l2normalization import L2Normalization
 from references import act_ref, allowed_ref, assert_close, attend_ref, leaf64, norm_ref
 
 S, S_ENC, B, HIDDEN, FFN, HEADS, GROUPS = 8, 6, 2, 64, 128, 4, 2
@@ -41,9 +42,16 @@ def layer_norm_ref(x, w, b, eps):
     return norm_ref(x, w, b, "LayerNorm", eps, False)
 
 
+def l2_norm_ref(x, eps):
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
 def _attention(q, k, v, mask_type, window=None, q_norm=None, k_norm=None):
-    """``q [s, b, h, d]``, ``k, v [s_kv, b, g, d]`` -> ``[s, b, h * d]``."""
-    if q_norm is not None:
+    """``q [s, b, h, d]``, ``k, v [s_kv, b, g, d]`` -> ``[s, b, h * d]``. ``q_norm`` /
+    ``k_norm``: LayerNorm parameters, or a float for an L2 normalization with that eps."""
+    if isinstance(q_norm, float):
+        q, k = l2_norm_ref(q, q_norm), l2_norm_ref(k, q_norm)
+    elif q_norm is not None:
         q = layer_norm_ref(q, q_norm["weight"], q_norm["bias"], 1e-6)
         k = layer_norm_ref(k, k_norm["weight"], k_norm["bias"], 1e-6)
     allowed = allowed_ref(mask_type, window, q.shape[0], k.shape[0]).unsqueeze(0)
@@ -57,7 +65,10 @@ def _self_attn_ref(p, x, mask_type="causal", window=None, qk_norm=False):
     mixed = _linear(_sub(p, "layernorm_qkv."), h)
     q, k, v = mixed.split([HEADS * D, GROUPS * D, GROUPS * D], dim=-1)
     s, b = x.shape[:2]
-    norms = (_sub(p, "q_norm."), _sub(p, "k_norm.")) if qk_norm else (None, None)
+    if isinstance(qk_norm, float):
+        norms = (qk_norm, qk_norm)
+    else:
+        norms = (_sub(p, "q_norm."), _sub(p, "k_norm.")) if qk_norm else (None, None)
     ctx = _attention(q.reshape(s, b, HEADS, D), k.reshape(s, b, GROUPS, D),
                      v.reshape(s, b, GROUPS, D), mask_type, window, *norms)
     return ctx @ p["proj.weight"].t() + p["proj.bias"]
@@ -141,6 +152,42 @@ def test_sliding_window_and_qk_norm_match_float64():
     _check_grads(out, ref, x, x64, layer, p)
 
 
+def test_l2_qk_norm_matches_float64():
+    """qk_norm_type="L2Normalization": one parameter-free module serves queries and
+    keys (as in TE), each head scaled to unit norm: ``x / sqrt(sum(x**2) + eps)``."""
+    layer = _layer(qk_norm_type="L2Normalization", qk_norm_eps=1e-3)
+    attn = layer.self_attention
+    assert isinstance(attn.q_norm, L2Normalization) and attn.q_norm is attn.k_norm
+    assert not any("q_norm" in n or "k_norm" in n for n, _ in layer.named_parameters())
+    x = torch.randn(S, B, HIDDEN, requires_grad=True)
+    out = layer(x)
+    p = {n: leaf64(t) for n, t in layer.named_parameters()}
+    x64 = leaf64(x)
+    a = x64 + _self_attn_ref(_sub(p, "self_attention."), x64, qk_norm=1e-3)
+    ref = a + _mlp_ref(_sub(p, "layernorm_mlp."), a)
+    _check_grads(out, ref, x, x64, layer, p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_l2_normalization_op_matches_float64(dtype):
+    """Computed in float32, rounded once to the input's dtype; gradient in float32."""
+    op = L2Normalization(eps=1e-6)
+    x = (torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    x.requires_grad_()
+    y = op(x)
+    assert y.dtype == dtype
+    x64 = leaf64(x)
+    ref = l2_norm_ref(x64, 1e-6)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    y.backward(dy)
+    ref.backward(dy.double())
+    bound = 1e-6 if dtype == torch.float32 else 8e-3
+    assert_close(y, ref, bound, "y")
+    assert_close(x.grad, x64.grad, bound * 10, "dx")
+    with pytest.raises(ValueError, match="te.ops.L2Normalization: eps must be a finite positive"):
+        L2Normalization(eps=float("nan"))
+
+
 def test_thd_layer_equals_one_sequence_at_a_time():
     """Packed sequences through the whole layer give each sequence's own result."""
     layer = _layer(attn_input_format="thd", self_attn_mask_type="padding_causal")
@@ -168,6 +215,26 @@ def test_drop_path_drops_whole_samples():
     assert 10 < sum(kept) < 54                               # about half of the samples kept
     layer.eval()
     assert torch.equal(layer._dropout_add(block, residual), residual + block)
+
+
+def test_drop_path_rate_one_passes_the_residuals_through():
+    """drop_path_rate=1.0 (TE accepts it): every block output dropped in training, so
+    the layer is its residual path, the blocks get zero gradients; eval is unchanged."""
+    torch.manual_seed(1)
+    layer = te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                                drop_path_rate=1.0, device="cpu")
+    x = torch.randn(S, B, HIDDEN, requires_grad=True)
+    out = layer(x)
+    assert torch.equal(out, x)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+    layer.eval()
+    with torch.no_grad():
+        assert not torch.allclose(layer(x), x)
+    with pytest.raises(ValueError, match=r"drop_path_rate must be a float in \[0, 1\], got 1.5"):
+        te.TransformerLayer(HIDDEN, FFN, HEADS, drop_path_rate=1.5, device="cpu")
 
 
 def test_cross_attention_module_with_fused_kv():

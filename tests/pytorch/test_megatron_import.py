@@ -1,25 +1,28 @@
-"""Megatron Core 0.16.1 against this package: it imports, builds its TE layer spec and
-runs a TE-spec TransformerLayer on the CPU; the TE names it only references (fusible
-operations, fused router kernels, quantized tensors) refuse to be used."""
+"""Megatron Core (the pinned release, qa/megatron_requirements.txt) against this
+package: it imports, reads the TE version this package claims and takes the branches
+that version selects, and its TE layer spec builds a TransformerLayer of this package's
+modules that runs on the CPU; the TE names it only references (fusible operations, fused
+router kernels, the FP8-parameter all-gather helpers) refuse to be used, naming the
+feature. Training a GPT: test_megatron_gpt.py and test_megatron_moe.py."""
 
-import importlib.util
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from packaging.version import Version
 
+import transformer_engine
 import transformer_engine.pytorch as te
-from helpers import assert_runs_equal
+from megatron_helpers import ClientTimeout, deadline, needs_megatron
 from transformer_engine.pytorch import ops, router
 from transformer_engine.pytorch.tensor import QuantizedTensor
 
-needs_megatron = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None
-    or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install --no-deps megatron-core==0.16.1)")
-
 OPS = ["FusibleOperation", "Sequential", "BasicLinear", "Bias", "GELU", "GEGLU", "ReLU", "ReGLU",
-       "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce", "ReduceScatter"]
+       "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce", "ReduceScatter", "MakeExtraOutput"]
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -51,8 +54,40 @@ def test_only_fp8_primary_weights_are_quantized_tensors():
         "fc1_weight", "fc2_weight"]
 
 
+def test_client_deadline_turns_a_hang_into_a_failure():
+    """The deadline every Megatron test runs under raises in a wait that would never end
+    (a stalled worker or collective), and puts back the SIGALRM handler it found."""
+    import signal
+    before = signal.getsignal(signal.SIGALRM)
+    disarm = deadline(0.2, "a hung client")
+    try:
+        with pytest.raises(ClientTimeout, match=r"a hung client: did not finish within 0\.2 s"):
+            threading.Event().wait()
+    finally:
+        disarm()
+    assert signal.getsignal(signal.SIGALRM) is before
+
+
+def test_client_deadline_ends_a_process_stuck_outside_python():
+    """Where the deadline's exception cannot be raised (the main thread never returns to
+    Python: here SIGALRM is blocked), the process dumps its stacks and exits non-zero
+    after the grace period, so the test file fails instead of stalling CI."""
+    tests = Path(__file__).parent
+    script = ("import signal, time\n"
+              "from megatron_helpers import deadline\n"
+              "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])\n"
+              "deadline(0.2, 'stuck', grace=0.3)\n"
+              "time.sleep(60)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent.parent)]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode != 0
+    # the dump names where the main thread was stuck
+    assert "Timeout" in done.stderr and 'File "<string>", line 5' in done.stderr, done.stderr
+
+
 @needs_megatron
-def test_megatron_core_imports_with_te():
+def test_megatron_core_imports_with_te(client_deadline):
     import megatron.core  # noqa: F401
     from megatron.core import fp8_utils
     from megatron.core.extensions import transformer_engine as mte
@@ -67,39 +102,31 @@ def test_megatron_core_imports_with_te():
 
 
 @needs_megatron
-def test_gpt_layer_spec_uses_te_modules():
-    from megatron.core.extensions import transformer_engine as mte
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+def test_megatron_reads_the_te_version_this_package_claims(client_deadline):
+    """Megatron's ``is_te_min_version`` sees ``transformer_engine.__version__``: the
+    branches gated on TE 2.9 or older are taken, those on 2.10 and newer are not
+    (docs/megatron.md lists what each needs)."""
+    from megatron.core.utils import get_te_version, is_te_min_version
 
-    spec = get_gpt_layer_with_transformer_engine_spec()
-    attention = spec.submodules.self_attention.submodules
-    assert attention.linear_qkv is mte.TELayerNormColumnParallelLinear
-    assert attention.core_attention is mte.TEDotProductAttention
-    assert spec.submodules.mlp.submodules.linear_fc2 is mte.TERowParallelLinear
+    assert get_te_version() == Version(transformer_engine.__version__) == Version("2.9.0+pure")
+    assert is_te_min_version("2.9.0") and is_te_min_version("2.7.0.dev0")
+    assert not is_te_min_version("2.10.0") and not is_te_min_version("2.14.0")
 
 
-@pytest.fixture
-def single_process_gloo(tmp_path):
-    """A one-rank gloo group and Megatron's parallel state over it, and a fresh Megatron
-    RNG tracker (a recompute's RNG replay calls its set_states, which marks it
-    initialized for every model built later), torn down after."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
-    initialize_rng_tracker(force_reset=True)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        initialize_rng_tracker(force_reset=True)
+TE_LAYER_MODULES = {"self_attention.linear_qkv": te.LayerNormLinear,
+                    "self_attention.core_attention": te.DotProductAttention,
+                    "self_attention.linear_proj": te.Linear,
+                    "mlp.linear_fc1": te.LayerNormLinear,
+                    "mlp.linear_fc2": te.Linear}
 
 
 @needs_megatron
-def test_te_spec_transformer_layer_runs_on_cpu(single_process_gloo):
+def test_te_spec_transformer_layer_runs_on_this_package(megatron_on_cpu):
+    """What Megatron builds from ``get_gpt_layer_with_transformer_engine_spec()`` (the
+    behaviour, not the spec object): a TransformerLayer whose attention and MLP are this
+    package's modules (the layer norms fused into the QKV and FC1 GEMMs, no separate
+    norm), each of which runs in the layer's forward; a causal layer whose output and
+    gradients are finite."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -110,10 +137,18 @@ def test_te_spec_transformer_layer_runs_on_cpu(single_process_gloo):
                                hidden_dropout=0.0, attention_dropout=0.0)
     layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config,
                          layer_number=1)
-    te_layers = [m for m in layer.modules() if isinstance(m, te.TransformerEngineBaseModule)]
-    assert len(te_layers) == 4          # qkv, proj, fc1, fc2
+    modules = dict(layer.named_modules())
+    for name, cls in TE_LAYER_MODULES.items():
+        assert isinstance(modules[name], cls), (name, type(modules[name]))
+    norms = [n for n, m in modules.items()
+             if isinstance(m, (torch.nn.LayerNorm, te.LayerNorm, te.RMSNorm))]
+    assert norms == [], norms           # both norms live inside the LayerNormLinear GEMMs
+    ran = []
+    for name in TE_LAYER_MODULES:
+        modules[name].register_forward_hook(lambda m, *_, name=name: ran.append(name))
     x = torch.randn(8, 2, 64, requires_grad=True)      # [sequence, batch, hidden]
     out, context = layer(x, attention_mask=None)
+    assert sorted(ran) == sorted(TE_LAYER_MODULES)
     assert out.shape == x.shape and context is None and torch.isfinite(out).all()
     out.pow(2).sum().backward()
     assert torch.isfinite(x.grad).all()
@@ -126,109 +161,46 @@ def test_te_spec_transformer_layer_runs_on_cpu(single_process_gloo):
     assert torch.equal(out2[0], out.detach()[0]) and not torch.equal(out2[1], out.detach()[1])
 
 
-def _megatron_gpt_run(recompute: bool, steps: int = 3, micro_batches: int = 1,
-                      fp8_param: bool = False):
-    """A 2-layer Megatron GPT from the TE layer spec, FP8 delayed scaling through
-    Megatron's own FP8 context, trained ``steps`` SGD steps of ``micro_batches``
-    micro-batches each (gradients accumulated; ``set_is_first_microbatch()`` before the
-    first, as Megatron's schedule calls it, so later micro-batches reuse the FP8
-    weights cast in the first); with ``recompute``, full activation recompute
-    (Megatron routes it through te.distributed.checkpoint). Returns per-step losses
-    (of the last micro-batch) and gradients, the TE modules' FP8 states, and how often
-    the layers' forward ran. ``fp8_param``: Megatron builds the layers under
-    ``fp8_model_init`` (FP8 primary weights); the weights' FP8 bits after the last step
-    are recorded too."""
+@needs_megatron
+def test_te_rng_tracker_states_reach_megatron(megatron_on_cpu):
+    """``use_te_rng_tracker``: Megatron's tracker is this package's CudaRNGStatesTracker,
+    and on TE >= 1.5 Megatron's ``get_all_rng_states()`` returns TE's
+    ``get_all_rng_states()``: the tracker's own named generators (which its CUDA-graph
+    code registers with each graph)."""
+    from megatron.core.extensions.transformer_engine import TECudaRNGStatesTracker
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(use_te_rng_tracker=True, force_reset=True)
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert isinstance(tracker, TECudaRNGStatesTracker)
+    tracker.add("model-parallel-rng", 1234)
+    tracker.add("expert-parallel-rng", 4321)
+    states = mrandom.get_all_rng_states()
+    assert states is tracker.states_ and sorted(states) == ["expert-parallel-rng",
+                                                            "model-parallel-rng"]
+    device = tracker.device          # CUDA where there is a GPU, as TE's tracker
+    with tracker.fork("model-parallel-rng"):
+        drawn = torch.rand(4, device=device)
+    seeded = torch.Generator(device=device).manual_seed(1234)
+    assert torch.equal(drawn, torch.rand(4, device=device, generator=seeded))
+    tracker.set_states(tracker.get_states())
+    assert mrandom.get_all_rng_states() is tracker.states_
+
+
+@needs_megatron
+def test_fp8_param_gather_refuses_naming_the_feature(megatron_on_cpu):
+    """Megatron's FP8-parameter all-gather (``--fp8-param-gather``: the distributed
+    optimizer writes master-weight shards into FP8 weights through TE's
+    ``tensor.utils``) raises NotImplementedError naming it, on the TE >= 2.2 branch
+    Megatron takes; the FP8 weight is unchanged."""
     from megatron.core import fp8_utils
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from helpers import capture, fp8_state_snapshot
 
-    torch.manual_seed(0)
-    extra = ({"recompute_granularity": "full", "recompute_method": "uniform",
-              "recompute_num_layers": 1} if recompute else {})
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                               use_cpu_initialization=True, params_dtype=torch.float32,
-                               hidden_dropout=0.0, attention_dropout=0.0, fp8="hybrid",
-                               fp8_recipe="delayed", fp8_amax_history_len=4,
-                               fp8_param=fp8_param, **extra)
-    model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128,
-                     max_sequence_length=32)
-    calls = [0]
-    for layer in model.decoder.layers:
-        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    te_modules = [m for m in model.modules() if isinstance(m, te.TransformerEngineBaseModule)]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=0.1)
-    gen = torch.Generator().manual_seed(1)
-    record, scales_at_forward = [], []
-    for _ in range(steps):
-        scales_at_forward.append(te_modules[0].fp8_meta["scaling_fwd"].scale.clone()
-                                 if te_modules[0].fp8_meta["scaling_fwd"] is not None else None)
-        model.set_is_first_microbatch()
-        for _ in range(micro_batches):
-            tokens = torch.randint(0, 128, (2, 16), generator=gen)
-            labels = torch.randint(0, 128, (2, 16), generator=gen)
-            positions = torch.arange(16).unsqueeze(0).expand(2, 16)
-            with fp8_utils.get_fp8_context(config):
-                loss = model(tokens, positions, attention_mask=None, labels=labels).float().mean()
-            (loss / micro_batches).backward()
-        record.append(capture(loss, [], params, te_modules))
-        opt.step()
-        opt.zero_grad()
-    if fp8_param:
-        record.append([p._data.view(torch.uint8).clone() for p in params
-                       if fp8_utils.is_float8tensor(p)])
-    return record, calls[0], scales_at_forward, fp8_state_snapshot(te_modules)
-
-
-@needs_megatron
-def test_megatron_gpt_full_recompute_in_fp8_matches_no_recompute(single_process_gloo):
-    """Megatron's full activation recompute (recompute_granularity="full") in FP8
-    delayed scaling gives bit-identical losses, gradients and FP8 scales and amax
-    histories, step by step, to the same training without recompute."""
-    ref, ref_calls, _, _ = _megatron_gpt_run(recompute=False)
-    got, calls, scales, _ = _megatron_gpt_run(recompute=True)
-    assert ref_calls == 2 * 3 and calls == 2 * 2 * 3           # every layer recomputed
-    assert not torch.equal(scales[1], scales[2])              # the scales moved each step
-    assert_runs_equal(ref, got)
-
-
-@needs_megatron
-def test_megatron_micro_batches_with_the_fp8_weight_cache_under_full_recompute(
-        single_process_gloo, monkeypatch):
-    """Two micro-batches a step with ``set_is_first_microbatch()``, as Megatron's
-    schedule runs them: the second micro-batch (and every recompute) takes the FP8
-    weights cast in the first, and full recompute stays bit-identical to none."""
-    from transformer_engine.pytorch.module import fp8_operands
-    casts = []
-    real = fp8_operands.cast_operand
-
-    def counting(x, plan, state, index, dtype, record, role, *args, **kwargs):
-        if role == "fwd_weight":
-            casts.append(index)
-        return real(x, plan, state, index, dtype, record, role, *args, **kwargs)
-
-    monkeypatch.setattr(fp8_operands, "cast_operand", counting)
-    ref, _, _, _ = _megatron_gpt_run(recompute=False, micro_batches=2)
-    ref_casts, casts[:] = len(casts), []
-    got, calls, _, _ = _megatron_gpt_run(recompute=True, micro_batches=2)
-    assert calls == 2 * 2 * 2 * 3                 # 2 layers, 2 micro-batches, recomputed
-    # 4 TE modules a layer, 2 layers: their weights cast once a step, not per micro-batch
-    assert ref_casts == len(casts) == 8 * 3, (ref_casts, len(casts))
-    assert_runs_equal(ref, got)
-
-
-@needs_megatron
-def test_megatron_fp8_param_trains_under_full_recompute(single_process_gloo):
-    """``fp8_param=True``: Megatron builds the layers under ``fp8_model_init``, so the TE
-    linear weights are FP8 primary weights; training with full recompute equals
-    training without it, the FP8 weight bits after the SGD steps included."""
-    ref, _, _, _ = _megatron_gpt_run(recompute=False, fp8_param=True)
-    got, calls, _, _ = _megatron_gpt_run(recompute=True, fp8_param=True)
-    assert calls == 2 * 2 * 3
-    # 4 TE linear modules a layer (QKV, proj, FC1, FC2), 2 layers
-    assert len(ref[-1]) == len(got[-1]) == 8
-    for a, b in zip(ref[-1], got[-1]):
-        assert torch.equal(a, b)
-    assert_runs_equal(ref[:-1], got[:-1])
+    with te.quantized_model_init():
+        layer = te.Linear(16, 16, device="cpu")
+    bits = layer.weight._data.clone()
+    with pytest.raises(NotImplementedError, match=r"replace_raw_data: .*--fp8-param-gather"):
+        fp8_utils.modify_underlying_storage(layer.weight, torch.zeros(256, dtype=torch.uint8))
+    with pytest.raises(NotImplementedError,
+                       match=r"cast_master_weights_to_fp8: .*--fp8-param-gather"):
+        fp8_utils.quantize_param_shard([layer.weight], [torch.zeros(256)], [0], None)
+    assert torch.equal(layer.weight._data, bits)

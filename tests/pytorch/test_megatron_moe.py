@@ -1,154 +1,110 @@
-"""Megatron Core 0.16.1's Mixture-of-Experts GPT on this package, one process on the CPU:
+"""Megatron Core's Mixture-of-Experts GPT on this package, one process on the CPU:
 TE-spec layers with grouped experts (TEGroupedMLP: te.GroupedLinear between
 te.Fp8Padding and te.Fp8Unpadding) train in FP8 delayed scaling, full activation
-recompute is bit-identical to none, and the grouped layers' FP8 state round-trips
-through ``state_dict`` and Megatron's own load hook (``merge_extra_states``, which
-calls ``init_fp8_metadata``).
+recompute is bit-identical to none (also with FP8 primary weights), and every TE
+module's FP8 state round-trips through ``state_dict`` and Megatron's own load hook
+(``merge_extra_states``, which calls ``init_fp8_metadata``) and through Megatron's
+distributed checkpointing (which splits a grouped layer's extra state per expert and
+merges it back, unpickling it with its own allow-list).
 
-One CUDA call stands in Megatron's MoE path: ``TopKRouter.gating`` moves a CPU router
-weight to ``torch.cuda.current_device()``; on a machine without CUDA the tests answer
-that call with "cpu". Megatron's distributed checkpointing cannot run here at all (its
-save calls ``torch.cuda.synchronize()``).
+Megatron's MoE modules are written for CUDA (the router moves its weight to
+``torch.cuda.current_device()``): megatron_helpers.pin_cuda_bound_modules_to_cpu answers
+those look-ups with "cpu" on every machine.
 """
 
-import importlib.util
-
-import pytest
 import torch
-import torch.distributed as dist
 
 import transformer_engine.pytorch as te
-from helpers import assert_runs_equal, assert_states_equal, capture, fp8_state_snapshot
+from helpers import assert_runs_equal, assert_states_equal, fp8_state_snapshot
+from megatron_helpers import (EXPERTS, counted_run, fp8_weight_bits, gpt_config, gpt_model,
+                              needs_megatron, te_modules_of, train)
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("megatron") is None
-    or importlib.util.find_spec("megatron.core") is None,
-    reason="megatron-core is not installed (pip install --no-deps megatron-core==0.16.1)")
+pytestmark = needs_megatron
 
 STEPS = 3
-
-
-@pytest.fixture
-def megatron_on_cpu(tmp_path, monkeypatch):
-    """A one-rank gloo group and Megatron's parallel state over it, a fresh Megatron RNG
-    tracker (a recompute's RNG replay calls its set_states, which marks it initialized
-    for every model built later), and the router's device move answered on a machine
-    without CUDA; all undone after."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    initialize_rng_tracker(force_reset=True)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        initialize_rng_tracker(force_reset=True)
-
-
-def _config(recompute: bool):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    extra = ({"recompute_granularity": "full", "recompute_method": "uniform",
-              "recompute_num_layers": 1} if recompute else {})
-    return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4,
-        num_moe_experts=2, moe_grouped_gemm=True, moe_router_topk=1,
-        moe_router_pre_softmax=True, moe_token_dispatcher_type="allgather",
-        moe_ffn_hidden_size=64, add_bias_linear=False, **extra)
-
-
-def _model(config):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=2, moe_grouped_gemm=True)
-    return GPTModel(config, spec, vocab_size=128, max_sequence_length=32)
-
-
-def _train(model, config, steps: int, seed: int = 1):
-    """``steps`` SGD steps of one micro-batch in Megatron's FP8 context; one `capture`
-    record per step."""
-    from megatron.core import fp8_utils
-
-    te_modules = [m for m in model.modules() if isinstance(m, te.TransformerEngineBaseModule)]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=0.1)
-    gen = torch.Generator().manual_seed(seed)
-    record = []
-    for _ in range(steps):
-        tokens = torch.randint(0, 128, (2, 16), generator=gen)
-        labels = torch.randint(0, 128, (2, 16), generator=gen)
-        positions = torch.arange(16).unsqueeze(0).expand(2, 16)
-        model.set_is_first_microbatch()     # as Megatron's schedule does: recast FP8 weights
-        with fp8_utils.get_fp8_context(config):
-            loss = model(tokens, positions, attention_mask=None, labels=labels).float().mean()
-        loss.backward()
-        record.append(capture(loss, [], params, te_modules))
-        opt.step()
-        opt.zero_grad()
-    return record
 
 
 def _grouped(model):
     return [m for m in model.modules() if isinstance(m, te.GroupedLinear)]
 
 
-def _moe_run(recompute: bool):
-    """Train the MoE GPT; also count the layers' forwards and record the token counts
-    per expert that reached Fp8Padding."""
-    torch.manual_seed(0)
-    config = _config(recompute)
-    model = _model(config)
-    calls, splits = [0], []
-    for layer in model.decoder.layers:
-        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        layer.mlp.experts.quantization_padding.register_forward_pre_hook(
-            lambda _, args: splits.append(list(args[1])))
-    return _train(model, config, STEPS), calls[0], splits, model
-
-
 def test_moe_gpt_uses_grouped_te_modules(megatron_on_cpu):
     from megatron.core.extensions import transformer_engine as mte
 
-    model = _model(_config(recompute=False))
+    model = gpt_model(gpt_config(moe=True))
     experts = model.decoder.layers[0].mlp.experts
     assert isinstance(experts.linear_fc1, mte.TEColumnParallelGroupedLinear)
     assert isinstance(experts.linear_fc2, mte.TERowParallelGroupedLinear)
     assert isinstance(experts.quantization_padding, te.Fp8Padding)
     assert isinstance(experts.quantization_unpadding, te.Fp8Unpadding)
-    assert len(_grouped(model)) == 4 and all(g.num_gemms == 2 for g in _grouped(model))
+    assert len(_grouped(model)) == 4 and all(g.num_gemms == EXPERTS for g in _grouped(model))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _record_splits(splits: list):
+    """A hook for `counted_run`: the token counts per expert that reach each layer's
+    Fp8Padding go into ``splits``, as they come."""
+    def on_build(model):
+        for layer in model.decoder.layers:
+            layer.mlp.experts.quantization_padding.register_forward_pre_hook(
+                lambda _, args: splits.append(tuple(args[1])))
+    return on_build
 
 
 def test_moe_gpt_full_recompute_in_fp8_matches_no_recompute(megatron_on_cpu):
     """recompute_granularity="full" in FP8 delayed scaling: bit-identical losses,
     gradients and FP8 scales and amax histories of every TE module (grouped experts
-    included), step by step, to the same training without recompute."""
-    ref, ref_calls, ref_splits, model = _moe_run(recompute=False)
-    got, calls, splits, _ = _moe_run(recompute=True)
-    assert ref_calls == 2 * STEPS and calls == 2 * 2 * STEPS        # every layer recomputed
-    assert any(m % 16 for s in ref_splits for m in s), "no expert needed padding"
-    # the recompute pads the same token counts again
-    assert sorted(map(tuple, splits)) == sorted(map(tuple, ref_splits * 2))
-    grouped_scales = [s.fwd.scale for s in ref[-1].states if s.fwd is not None
-                      and s.fwd.scale.numel() == 4]
-    assert grouped_scales and not all(torch.equal(s, torch.ones(4)) for s in grouped_scales)
-    assert all(g.fp8_meta["fp8_checkpoint"] for g in _grouped(model))
-    assert_runs_equal(ref, got)
+    included), step by step, to the same training without recompute; the recompute pads
+    the same token counts again."""
+    splits = {False: [], True: []}
+
+    def run(recompute):
+        return counted_run(gpt_config(moe=True, recompute=recompute), STEPS,
+                           on_build=_record_splits(splits[recompute]))
+
+    ref, got = run(False), run(True)
+    assert ref.layer_calls == 2 * STEPS and got.layer_calls == 2 * 2 * STEPS   # all recomputed
+    assert any(m % 16 for s in splits[False] for m in s), "no expert needed padding"
+    assert sorted(splits[True]) == sorted(splits[False] * 2)
+    grouped_scales = [s.fwd.scale for s in ref.record[-1].states
+                      if s.fwd is not None and s.fwd.scale.numel() == 2 * EXPERTS]
+    assert len(grouped_scales) == 4 and not all(torch.equal(s, torch.ones(2 * EXPERTS))
+                                                for s in grouped_scales)
+    assert all(g.fp8_meta["fp8_checkpoint"] for g in _grouped(ref.model))
+    assert_runs_equal(ref.record, got.record)
+
+
+def test_moe_gpt_fp8_param_trains_under_full_recompute(megatron_on_cpu):
+    """``fp8_param=True``: the grouped experts' weights (one per expert) are FP8 primary
+    weights too, and full recompute trains bit-identical to none, the FP8 weight bits
+    after the SGD steps included."""
+    ref = counted_run(gpt_config(moe=True, recompute=False, fp8_param=True), STEPS)
+    got = counted_run(gpt_config(moe=True, recompute=True, fp8_param=True), STEPS)
+    assert got.layer_calls == 2 * 2 * STEPS
+    ref_bits, got_bits = fp8_weight_bits(ref.model), fp8_weight_bits(got.model)
+    # a layer: QKV, proj, and 2 grouped layers of one weight per expert
+    assert len(ref_bits) == len(got_bits) == 2 * (2 + 2 * EXPERTS)
+    for a, b in zip(ref_bits, got_bits):
+        assert torch.equal(a, b)
+    assert_runs_equal(ref.record, got.record)
+
+
+def _trained_and_fresh(config):
+    torch.manual_seed(0)
+    trained = gpt_model(config)
+    train(trained, config, 2)
+    torch.manual_seed(5)
+    fresh = gpt_model(config)
+    assert all(g.fp8_meta["scaling_fwd"] is None for g in _grouped(fresh))
+    return trained, fresh
 
 
 def test_grouped_fp8_state_round_trips_through_megatron_load_hook(megatron_on_cpu,
                                                                   monkeypatch):
-    """state_dict() of a trained MoE GPT loads into a fresh one through Megatron's
-    ``merge_extra_states`` pre-hook (it calls ``init_fp8_metadata`` first): the grouped
-    layers' FP8 states come back bit for bit, and both models train on identically."""
+    """state_dict() of a trained MoE GPT loads into itself unchanged and into a fresh
+    one through Megatron's ``merge_extra_states`` pre-hook (it calls
+    ``init_fp8_metadata`` first): every TE module's FP8 state comes back bit for bit,
+    and both models train on identically."""
     calls = []
     real = te.TransformerEngineBaseModule.init_fp8_metadata
 
@@ -157,24 +113,23 @@ def test_grouped_fp8_state_round_trips_through_megatron_load_hook(megatron_on_cp
         return real(self, num_gemms)
 
     monkeypatch.setattr(te.TransformerEngineBaseModule, "init_fp8_metadata", counting)
-    config = _config(recompute=False)
-    torch.manual_seed(0)
-    trained = _model(config)
-    _train(trained, config, 2)
-    torch.manual_seed(5)
-    fresh = _model(config)
-    assert all(g.fp8_meta["scaling_fwd"] is None for g in _grouped(fresh))
+    config = gpt_config(moe=True)
+    trained, fresh = _trained_and_fresh(config)
+    before = fp8_state_snapshot(te_modules_of(trained))
+    result = trained.load_state_dict(trained.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    assert_states_equal(fp8_state_snapshot(te_modules_of(trained)), before, "reloaded in place")
+    calls.clear()
     result = fresh.load_state_dict(trained.state_dict())
     assert not result.missing_keys and not result.unexpected_keys
-    assert calls == [2] * 4                            # the hook ran for each grouped layer
-    assert_states_equal(fp8_state_snapshot(_grouped(fresh)), fp8_state_snapshot(_grouped(trained)),
-                        "grouped layers after the load")
+    assert calls == [EXPERTS] * 4                       # the hook ran for each grouped layer
+    assert_states_equal(fp8_state_snapshot(te_modules_of(fresh)),
+                        fp8_state_snapshot(te_modules_of(trained)), "after the load")
     assert all(g.fp8_meta["fp8_checkpoint"] for g in _grouped(fresh))
-    assert_runs_equal(_train(trained, config, 1, seed=9), _train(fresh, config, 1, seed=9))
+    assert_runs_equal(train(trained, config, 1, seed=9), train(fresh, config, 1, seed=9))
 
 
 def test_grouped_fp8_state_round_trips_through_megatron_dist_checkpointing(megatron_on_cpu,
-                                                                            monkeypatch,
                                                                             tmp_path):
     """Megatron's distributed checkpointing saves a trained MoE GPT (the grouped
     layers' FP8 extra state split per expert, which unpickles TE's layout) and loads it
@@ -182,25 +137,17 @@ def test_grouped_fp8_state_round_trips_through_megatron_dist_checkpointing(megat
     bit for bit and both models train on identically."""
     from megatron.core import dist_checkpointing
 
-    if not torch.cuda.is_available():      # its writer synchronizes the device
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    config = _config(recompute=False)
-    torch.manual_seed(0)
-    trained = _model(config)
-    _train(trained, config, 2)
+    config = gpt_config(moe=True)
+    trained, fresh = _trained_and_fresh(config)
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     dist_checkpointing.save(trained.sharded_state_dict(), str(checkpoint))
-    torch.manual_seed(5)
-    fresh = _model(config)
     loaded = dist_checkpointing.load(fresh.sharded_state_dict(), str(checkpoint))
     result = fresh.load_state_dict(loaded, strict=False)
     assert not result.unexpected_keys
     # only extra states of modules that hold no FP8 state may be missing
     assert all(k.endswith("core_attention._extra_state") for k in result.missing_keys), result
-    te_trained = [m for m in trained.modules() if isinstance(m, te.TransformerEngineBaseModule)]
-    te_fresh = [m for m in fresh.modules() if isinstance(m, te.TransformerEngineBaseModule)]
     assert len(_grouped(fresh)) == 4
-    assert_states_equal(fp8_state_snapshot(te_fresh), fp8_state_snapshot(te_trained),
-                        "after the distributed load")
-    assert_runs_equal(_train(trained, config, 1, seed=9), _train(fresh, config, 1, seed=9))
+    assert_states_equal(fp8_state_snapshot(te_modules_of(fresh)),
+                        fp8_state_snapshot(te_modules_of(trained)), "after the distributed load")
+    assert_runs_equal(train(trained, config, 1, seed=9), train(fresh, config, 1, seed=9))

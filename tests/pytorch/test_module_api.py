@@ -285,8 +285,6 @@ UNSUPPORTED = [
     (lambda: te.LayerNorm(16, sm_margin=8), "sm_margin=8"),
     (lambda: te.DotProductAttention(4, 16, cp_group=object()), "cp_group="),
     (lambda: te.DotProductAttention(4, 16, return_max_logit=True), "return_max_logit=True"),
-    (lambda: te.MultiheadAttention(64, 4, qk_norm_type="L2Normalization"),
-     "qk_norm_type='L2Normalization'"),
     (lambda: te.MultiheadAttention(64, 4, ub_bulk_dgrad=True), "ub_bulk_dgrad=True"),
     (lambda: te.TransformerLayer(64, 128, 4, ub_tp_comm_overlap=True),
      "ub_tp_comm_overlap=True"),

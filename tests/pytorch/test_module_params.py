@@ -64,6 +64,58 @@ def test_meta_then_reset_parameters_equals_direct_build(kind):
             assert getattr(p, attr, None) == getattr(q, attr, None), (n, attr)
 
 
+META_BUILDERS = dict(BUILDERS, **{
+    "MultiheadAttention": lambda d: te.MultiheadAttention(64, 4, fuse_qkv_params=True,
+                                                          params_dtype=torch.bfloat16, device=d),
+    "TransformerLayer-fused": lambda d: te.TransformerLayer(
+        64, 192, 4, fuse_qkv_params=True, seq_length=16, params_dtype=torch.bfloat16, device=d),
+})
+
+
+def _reachable_tensors(obj, seen=None, path="module"):
+    """Every tensor a module holds: parameters, buffers, and tensors in its attributes
+    (fp8_meta and the like), through submodules, dicts, lists and our own objects."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _reachable_tensors(v, seen, f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _reachable_tensors(v, seen, f"{path}[{i}]")
+    elif isinstance(obj, torch.nn.Module) or (
+            hasattr(obj, "__dict__") and not isinstance(obj, type)
+            and type(obj).__module__.startswith("transformer_engine")):
+        for k, v in vars(obj).items():
+            yield from _reachable_tensors(v, seen, f"{path}.{k}")
+
+
+@pytest.mark.parametrize("kind", list(META_BUILDERS))
+def test_meta_build_holds_only_meta_tensors(kind):
+    """A module built on ``meta`` holds no tensor anywhere else (so it allocates nothing
+    on the GPU before ``reset_parameters()``), until its first forward."""
+    found = list(_reachable_tensors(META_BUILDERS[kind]("meta")))
+    assert found and all(t.is_meta for _, t in found), [p for p, t in found if not t.is_meta]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
+@pytest.mark.parametrize("kind", list(META_BUILDERS))
+def test_meta_build_allocates_no_cuda_memory(kind):
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    module = META_BUILDERS[kind]("meta")
+    assert torch.cuda.memory_allocated() == before
+    for m in module.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    assert torch.cuda.memory_allocated() > before
+    del module
+
+
 def test_reset_parameters_reinitializes_in_place():
     torch.manual_seed(3)
     m = te.LayerNormLinear(32, 48, device="cpu")

@@ -163,26 +163,28 @@ def test_model_init_disabled_is_a_no_op(name):
 
 
 @pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
-@pytest.mark.parametrize("recipe", [None, DelayedScaling(), Float8CurrentScaling()],
-                         ids=["default", "delayed", "current"])
+@pytest.mark.parametrize("recipe", [None, DelayedScaling(), Float8CurrentScaling(),
+                                    Float8BlockScaling()],
+                         ids=["default", "delayed", "current", "block"])
 def test_model_init_enabled_builds_fp8_weights(name, recipe):
-    from transformer_engine.pytorch.tensor import Float8Tensor
+    from transformer_engine.pytorch.tensor import Float8BlockwiseQTensor, Float8Tensor
     kwargs = {} if recipe is None else {"recipe": recipe}
     with getattr(fp8, name)(**kwargs):          # TE's default is enabled=True
         assert fp8.FP8GlobalStateManager.with_fp8_parameters()
         layer = te.Linear(16, 32, device="cpu")
-    assert isinstance(layer.weight, Float8Tensor) and type(layer.bias) is torch.nn.Parameter
+    kind = Float8BlockwiseQTensor if isinstance(recipe, Float8BlockScaling) else Float8Tensor
+    assert isinstance(layer.weight, kind) and type(layer.bias) is torch.nn.Parameter
     assert not fp8.FP8GlobalStateManager.with_fp8_parameters()
 
 
 @pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
-@pytest.mark.parametrize("recipe", [Float8BlockScaling(), MXFP8BlockScaling(),
-                                    NVFP4BlockScaling()], ids=["block", "mxfp8", "nvfp4"])
-def test_model_init_refuses_recipes_without_per_tensor_weights(name, recipe):
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), NVFP4BlockScaling()],
+                         ids=["mxfp8", "nvfp4"])
+def test_model_init_refuses_recipes_not_implemented(name, recipe):
     with pytest.raises(NotImplementedError,
                        match=rf"te\.{name}\(enabled=True, recipe={type(recipe).__name__}\): FP8 "
-                             "primary weights are implemented for DelayedScaling and "
-                             "Float8CurrentScaling"):
+                             "primary weights are implemented for DelayedScaling, "
+                             "Float8CurrentScaling and Float8BlockScaling"):
         getattr(fp8, name)(enabled=True, recipe=recipe)
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+from transformer_engine.pytorch.attention.rope import (apply_fused_qkv_rotary_pos_emb,
+                                                       apply_rotary_pos_emb)
 from references import (allowed_ref, assert_close, attend_ref, leaf64, norm_ref,
                         rope_angles_ref, rotate_ref)
 
@@ -86,6 +87,29 @@ def test_output_is_contiguous_whatever_the_input_strides(rot_dim, fused):
     assert torch.equal(out, apply_rotary_pos_emb(t.contiguous(), freqs, "sbhd", fused=fused))
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_arbitrary_freqs_forward_and_gradient(interleaved):
+    """TE accepts any ``freqs`` (its tests pass random ones): with angles that differ
+    within a pair the rotation is no longer one, and forward and gradient are those of
+    ``x cos + turn(x) sin`` itself, against float64 autograd."""
+    g = torch.Generator().manual_seed(8)
+    t = torch.randn(S, B, HEADS, D, generator=g).requires_grad_()
+    freqs = torch.randn(S, 1, 1, D // 2, generator=g) * 3          # partial, unpaired
+    out = apply_rotary_pos_emb(t, freqs, "sbhd", interleaved=interleaved)
+    t64 = leaf64(t)
+    x, f = t64[..., :D // 2], freqs.double()
+    if interleaved:
+        turned = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        turned = torch.cat((-x[..., D // 4:], x[..., :D // 4]), dim=-1)
+    ref = torch.cat((x * f.cos() + turned * f.sin(), t64[..., D // 2:]), dim=-1)
+    dy = torch.randn(t.shape, generator=g)
+    out.backward(dy)
+    ref.backward(dy.double())
+    assert_close(out, ref, 1e-6, "out")
+    assert_close(t.grad, t64.grad, 1e-6, "grad")
+
+
 def test_lengths_given_as_integer_tensors():
     """TE's callers pass ``max_seqlen`` as a device integer tensor."""
     rope = te.RotaryPositionEmbedding(D, device="cpu")
@@ -122,25 +146,124 @@ def test_thd_positions_restart_per_sequence(interleaved):
     assert torch.equal(out[10:], t[10:])                              # beyond cu_seqlens
 
 
-@pytest.mark.parametrize("fmt", ["sbhd", "thd"])
-def test_context_parallel_positions(fmt):
-    """Rank r of 2 holds chunks r and 3 - r of each sequence: its rotation equals the
-    full sequence's rotation restricted to those chunks."""
+def _cp_local(full, cp_size, rank, dim=0):
+    """Rank ``rank``'s share of ``full`` under the load-balanced split: chunks ``rank``
+    and ``2 cp_size - 1 - rank`` of ``2 cp_size`` along ``dim``."""
+    chunks = full.chunk(2 * cp_size, dim=dim)
+    return torch.cat((chunks[rank], chunks[2 * cp_size - 1 - rank]), dim=dim)
+
+
+CP_CASES = [pytest.param(2, id="cp2"), pytest.param(3, id="cp3")]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("starts", [None, [3, 0]], ids=["no-starts", "starts"])
+@pytest.mark.parametrize("cp_size", CP_CASES)
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_context_parallel_matches_the_full_sequence(fmt, cp_size, starts, interleaved):
+    """Each rank's rotation (and gradient) is the float64 rotation of the whole
+    sequence, at positions ``start + p``, restricted to that rank's two chunks
+    (``fused`` both ways: it names a kernel choice in TE, the same math here)."""
+    fused = cp_size == 3
     g = torch.Generator().manual_seed(4)
-    full = torch.randn(8, HEADS, D, generator=g)
-    freqs = _layout(rope_angles_ref(D, range(8)), False).float()
-    cu_full = torch.tensor([0, 8], dtype=torch.int32)
-    whole = apply_rotary_pos_emb(full.unsqueeze(1), freqs, "sbhd").squeeze(1)
-    chunks = whole.chunk(4)
+    seq = 4 * cp_size                                       # two tokens a chunk
+    full = torch.randn(seq, B, HEADS, D, generator=g)       # sbhd, global
+    angles = rope_angles_ref(D // 2, range(seq + 4))        # a partial rotation
+    freqs = _layout(angles, interleaved).float()
+    pos = torch.arange(seq).reshape(seq, 1) + torch.tensor(starts or [0, 0]).reshape(1, B)
+    per_token = angles[pos].unsqueeze(2)                    # [s, b, 1, d2/2]
+    dy_full = torch.randn(seq, B, HEADS, D, generator=g)
+    full64 = full.double().requires_grad_()
+    ref_full = rotate_ref(full64, per_token, interleaved)
+    ref_full.backward(dy_full.double())
+    seq_dim = 0 if fmt == "sbhd" else 1
+    to_fmt = (lambda x: x) if fmt == "sbhd" else (lambda x: x.transpose(0, 1).contiguous())
+    start_positions = None if starts is None else torch.tensor(starts, dtype=torch.int32)
+    for rank in range(cp_size):
+        local = to_fmt(_cp_local(full, cp_size, rank)).requires_grad_()
+        out = apply_rotary_pos_emb(local, freqs, fmt, start_positions=start_positions,
+                                   interleaved=interleaved, fused=fused, cp_size=cp_size,
+                                   cp_rank=rank)
+        out.backward(to_fmt(_cp_local(dy_full, cp_size, rank)))
+        assert_close(out, to_fmt(_cp_local(ref_full.detach(), cp_size, rank)), 1e-6,
+                     f"rank {rank} out")
+        assert_close(local.grad, to_fmt(_cp_local(full64.grad, cp_size, rank)), 1e-6,
+                     f"rank {rank} grad")
+        assert out.shape[seq_dim] == seq // cp_size
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("with_starts", [False, True], ids=["no-starts", "starts"])
+@pytest.mark.parametrize("cp_size", CP_CASES)
+def test_context_parallel_thd_matches_each_full_sequence(cp_size, with_starts, interleaved):
+    """Packed sequences (global lengths multiples of 2 cp_size, ``cu_seqlens`` the
+    global bounds): each rank's tokens of sequence ``i`` are rotated as chunks of
+    sequence ``i`` alone, at positions ``start_i + p``."""
+    g = torch.Generator().manual_seed(5)
+    lens = [2 * cp_size, 6 * cp_size, 4 * cp_size]
+    starts = [2, 0, 5] if with_starts else [0, 0, 0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    angles = rope_angles_ref(D, range(max(lens) + 5))
+    freqs = _layout(angles, interleaved).float()
+    seqs = [torch.randn(n, HEADS, D, generator=g) for n in lens]
+    refs = [rotate_ref(x.double(), angles[s0:s0 + x.shape[0]].reshape(-1, 1, D // 2),
+                       interleaved) for x, s0 in zip(seqs, starts)]
+    start_positions = torch.tensor(starts, dtype=torch.int32) if with_starts else None
+    for rank in range(cp_size):
+        local = torch.cat([_cp_local(x, cp_size, rank) for x in seqs])
+        out = apply_rotary_pos_emb(local, freqs, "thd", start_positions=start_positions,
+                                   interleaved=interleaved, cu_seqlens=cu, cp_size=cp_size,
+                                   cp_rank=rank)
+        assert_close(out, torch.cat([_cp_local(r, cp_size, rank) for r in refs]), 1e-6,
+                     f"rank {rank}")
+
+
+def test_context_parallel_thd_equals_bshd():
+    """Equal-length sequences: packed (thd) and batched (bshd) give the same bits."""
+    g = torch.Generator().manual_seed(6)
+    bshd = torch.randn(B, 8, HEADS, D, generator=g)                 # local: 8 of 16 tokens
+    cu = torch.tensor([0, 16, 32], dtype=torch.int32)
+    freqs = te.RotaryPositionEmbedding(D, device="cpu")(64)
+    starts = cu[:-1]
     for rank in range(2):
-        local = torch.cat((full.chunk(4)[rank], full.chunk(4)[3 - rank]))
-        if fmt == "sbhd":
-            got = apply_rotary_pos_emb(local.unsqueeze(1), freqs, "sbhd", cp_size=2,
-                                       cp_rank=rank).squeeze(1)
-        else:
-            got = apply_rotary_pos_emb(local, freqs, "thd", cu_seqlens=cu_full, cp_size=2,
-                                       cp_rank=rank)
-        assert torch.equal(got, torch.cat((chunks[rank], chunks[3 - rank])))
+        a = apply_rotary_pos_emb(bshd, freqs, "bshd", start_positions=starts, cp_size=2,
+                                 cp_rank=rank)
+        b = apply_rotary_pos_emb(bshd.reshape(-1, HEADS, D), freqs, "thd",
+                                 start_positions=starts, cu_seqlens=cu, cp_size=2, cp_rank=rank)
+        assert torch.equal(a.reshape(-1, HEADS, D), b)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_fused_qkv_rotation_equals_separate_rotations(fmt, cp_size):
+    """``apply_fused_qkv_rotary_pos_emb``: TE's split of a [.., h, q + k + v] tensor
+    (each head's query part is q / k heads of size k), each part rotated as
+    `apply_rotary_pos_emb` rotates it, gradients flowing back into qkv."""
+    g = torch.Generator().manual_seed(7)
+    shape = (8, B, 2, 6 * D) if fmt == "sbhd" else (B, 8, 2, 6 * D)
+    qkv = torch.randn(shape, generator=g).requires_grad_()
+    q_freqs = _layout(rope_angles_ref(D, range(16)), False).float()
+    k_freqs = _layout(rope_angles_ref(D // 2, range(3, 19)), False).float()
+    q, k, v = apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [4 * D, D, D], fmt,
+                                             cp_size=cp_size, cp_rank=cp_size - 1)
+    assert q.shape == (*shape[:2], 8, D) and k.shape == v.shape == (*shape[:2], 2, D)
+    ref = qkv.detach().double().requires_grad_()
+    rq, rk, rv = ref.split([4 * D, D, D], dim=-1)
+    rot = dict(tensor_format=fmt, cp_size=cp_size, cp_rank=cp_size - 1)
+    rq = apply_rotary_pos_emb(rq.reshape(*shape[:2], 8, D), q_freqs, **rot)
+    rk = apply_rotary_pos_emb(rk, k_freqs, **rot)
+    for got, want in ((q, rq), (k, rk), (v, rv)):
+        assert_close(got, want, 1e-6, "qkv part")
+    grads = [torch.randn(t.shape, generator=g) for t in (q, k, v)]
+    torch.autograd.backward((q, k, v), grads)
+    torch.autograd.backward((rq, rk, rv), [t.double() for t in grads])
+    assert_close(qkv.grad, ref.grad, 1e-6, "grad")
+    with pytest.raises(ValueError, match="start_positions cannot be combined with cp_size > 1"):
+        apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [4 * D, D, D], fmt,
+                                       start_positions=torch.zeros(B, dtype=torch.int32),
+                                       cp_size=2)
+    with pytest.raises(ValueError, match=r"qkv_split_arg_list must be three positive ints"):
+        apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [4 * D, D], fmt)
 
 
 # ---- inside MultiheadAttention and TransformerLayer -----------------------------------

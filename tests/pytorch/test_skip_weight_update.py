@@ -16,13 +16,15 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
+                                              Float8CurrentScaling)
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 from helpers import (REENTRANT, assert_runs_equal, assert_tensors_equal, capture, cuda_fp8,
                      te_modules)
 
 RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
-           pytest.param(Float8CurrentScaling(), id="current")]
+           pytest.param(Float8CurrentScaling(), id="current"),
+           pytest.param(Float8BlockScaling(), id="block")]
 MODULES = [
     pytest.param(lambda: te.Linear(32, 32, device="cpu"), (), id="linear"),
     pytest.param(lambda: te.LayerNormMLP(32, 64, device="cpu"), (), id="lnmlp"),
@@ -129,6 +131,19 @@ def test_flag_matches_is_first_microbatch(make, args, recipe, skip_flag, capturi
     FP8GlobalStateManager.reset()                         # no flag: cast every time
     fresh, _ = _schedule(make, args, recipe, "none")
     assert not torch.equal(fresh[1].loss, got[1].loss)    # the kept weight was used
+
+
+def test_flag_matches_is_first_microbatch_for_1x128_block_weights(skip_flag, capturing):
+    """Weights in 1x128 blocks, whose cache holds a separately quantized columnwise
+    copy: both copies follow the flag."""
+    make, args = MODULES[0].values
+    recipe = Float8BlockScaling(w_block_scaling_dim=1)
+    ref, ref_caches = _schedule(make, args, recipe, "argument")
+    got, got_caches = _schedule(make, args, recipe, "flag")
+    assert_runs_equal(ref, got)
+    assert len(got_caches[-1]) == 4            # rowwise and columnwise, bits and scales
+    for i, (a, b) in enumerate(zip(ref_caches, got_caches)):
+        assert_tensors_equal(a, b, f"FP8 weight cache after micro-batch {i}")
 
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)

@@ -58,14 +58,21 @@ def fused_kernels_on():
 
 def _spy(monkeypatch):
     """Count the casts of the fused kernels (a pair launch counts its two casts), to
-    prove the fused path ran; ``calls.pairs`` counts the pair launches."""
-    from transformer_engine.pytorch import triton_kernels
+    prove the fused path ran; ``calls.pairs`` counts the pair launches,
+    ``calls.current`` the current-scaling casts."""
+    from transformer_engine.pytorch.kernels import casts as triton_kernels
     calls = _Calls()
     real, real_pair = triton_kernels.cast_transpose, triton_kernels.cast_pair
+    real_current = triton_kernels.current_cast
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
+
+    def counting_current(*args, **kwargs):
+        calls.append(1)
+        calls.current += 1
+        return real_current(*args, **kwargs)
 
     def counting_pair(*args, **kwargs):
         calls.extend((1, 1))
@@ -73,11 +80,13 @@ def _spy(monkeypatch):
         return real_pair(*args, **kwargs)
     monkeypatch.setattr(triton_kernels, "cast_transpose", counting)
     monkeypatch.setattr(triton_kernels, "cast_pair", counting_pair)
+    monkeypatch.setattr(triton_kernels, "current_cast", counting_current)
     return calls
 
 
 class _Calls(list):
     pairs = 0
+    current = 0
 
 
 @cuda_triton
@@ -160,7 +169,7 @@ def _histories(length, widths):
 def test_delayed_scaling_update_in_place_bitwise(algo, length, widths, margin, max_value,
                                                  monkeypatch):
     """One launch updates several states in place, bit for bit as the formulas."""
-    from transformer_engine.pytorch import triton_kernels
+    from transformer_engine.pytorch.kernels import casts as triton_kernels
     calls = []
     real = triton_kernels.delayed_update_
     monkeypatch.setattr(triton_kernels, "delayed_update_",
@@ -293,7 +302,7 @@ def test_cached_launches_keep_specializations_apart(direct):
     """Launches whose arguments differ only in what Triton specializes on (16-byte
     alignment, divisibility by 16, ints equal to 1) each match the reference, in an
     order where a too-coarse launch cache would reuse the wrong binary."""
-    from transformer_engine.pytorch import triton_kernels
+    from transformer_engine.pytorch.kernels import casts as triton_kernels
     if direct:
         assert triton_kernels.direct_launch_supported(triton.__version__), \
             f"direct launch not checked on Triton {triton.__version__}"
@@ -361,6 +370,7 @@ def test_linear_training_fused_equals_reference(recipe, bias, launch, monkeypatc
     assert len(calls) == 18   # x, W, dy of two layers in each of three steps
     # delayed scaling casts x and W in one launch (quantize.cast_pair_unchecked)
     assert calls.pairs == (6 if recipe.delayed() else 0)
+    assert calls.current == (0 if recipe.delayed() else 18)
     ref_outputs, ref = _train(KernelConfig(fused=False), recipe, bias)
     assert len(calls) == 18
     assert_tensors_equal(fused_outputs, ref_outputs, "outputs")
@@ -402,13 +412,13 @@ def test_kernel_config_from_environment():
 def test_direct_launch_guarded_by_triton_version(version, ok):
     """The direct launch relies on Triton internals checked on some versions only; any
     other Triton (an upgrade) launches through the JIT."""
-    from transformer_engine.pytorch import triton_launch
+    from transformer_engine.pytorch.kernels import launch as triton_launch
     assert triton_launch.direct_launch_supported(version) is ok
 
 
 @cuda_triton
 def test_unchecked_triton_version_launches_through_the_jit(monkeypatch):
-    from transformer_engine.pytorch import triton_kernels, triton_launch
+    from transformer_engine.pytorch.kernels import casts as triton_kernels, launch as triton_launch
     monkeypatch.setattr(triton_launch, "_DIRECT_LAUNCH_OK", False)
     launcher = triton_launch.Launcher(triton_kernels._amax_kernel)
     x = torch.randn(4096, device="cuda")
@@ -464,7 +474,7 @@ def test_cpu_path_imports_no_triton():
         with te.autocast(recipe=DelayedScaling()):
             y = m(x)
         y.sum().backward()
-        bad = [n for n in ("triton", "transformer_engine.pytorch.triton_kernels")
+        bad = [n for n in ("triton", "transformer_engine.pytorch.kernels")
                if n in sys.modules]
         print("LOADED", bad)
         sys.exit(1 if bad else 0)

@@ -29,7 +29,7 @@ from .recipe_fields import (MMParams, QParams, ReadOnlyWhenCopied, check_bool, c
 
 __all__ = ["Format", "Recipe", "QParams", "MMParams", "DelayedScaling", "Float8CurrentScaling",
            "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling", "max_margin",
-           "MAX_AMAX_HISTORY_LEN", "validated_copy"]
+           "MAX_AMAX_HISTORY_LEN", "validated_copy", "BACKWARD_OVERRIDES"]
 
 
 class _FormatSpec(NamedTuple):
@@ -62,6 +62,12 @@ class Format(enum.Enum):
                 if (member.value.max_fwd, member.value.max_bwd) == tuple(value):
                     return member
         return None
+
+    def __reduce_ex__(self, protocol):
+        # pickled as NVIDIA's TE pickles a Format, by a `_FormatHelper` value, so that
+        # a pickle of a recipe names no torch dtype (Megatron's allow-list unpickler
+        # reads FP8 extra state)
+        return type(self), (_FormatHelper(self.value.max_fwd, self.value.max_bwd),)
 
 
 class _FormatHelper(NamedTuple):
@@ -143,6 +149,26 @@ class Recipe(ReadOnlyWhenCopied):
         self.validate()
 
 
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+def _env_backward_override() -> Optional[str]:
+    """TE's default of ``backward_override``: ``NVTE_BACKWARD_OVERRIDE``, read when the
+    recipe is constructed (unset: None)."""
+    return os.environ.get("NVTE_BACKWARD_OVERRIDE")
+
+
+def _check_backward_override(name: str, value, stateless: bool = True) -> None:
+    """NOTE [Backward override] in pytorch/module/backward_override.py."""
+    if value not in BACKWARD_OVERRIDES:
+        raise ValueError(f"{name}: backward_override (NVTE_BACKWARD_OVERRIDE) must be None, "
+                         f"'high_precision' or 'dequantized', got {value!r}")
+    if value is not None and not stateless:
+        raise ValueError(f"{name}: delayed scaling only supports backward_override=None, got "
+                         f"{value!r}; use Float8CurrentScaling or Float8BlockScaling, or unset "
+                         "NVTE_BACKWARD_OVERRIDE")
+
+
 def _check_format(name: str, fp8_format) -> None:
     if not isinstance(fp8_format, Format):
         raise TypeError(f"{name}: fp8_format must be a transformer_engine.common.recipe.Format, "
@@ -202,6 +228,8 @@ class DelayedScaling(Recipe):
     fp8_dpa, fp8_mha : bool, default False
         FP8 attention: not implemented; True raises NotImplementedError when an
         autocast enables the recipe.
+    backward_override : None, default ``NVTE_BACKWARD_OVERRIDE``
+        TE's field; delayed scaling takes only None (anything else raises ValueError).
     params_dtype, device : accepted and unused
         Megatron Core passes its module arguments to the recipe too; a recipe has no
         dtype or device.
@@ -216,6 +244,7 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)
     params_dtype: InitVar[Any] = None
     device: InitVar[Any] = None
 
@@ -256,6 +285,7 @@ class DelayedScaling(Recipe):
             raise TypeError(f"{name}: scaling_factor_compute_algo must be callable or None, "
                             f"got {self.scaling_factor_compute_algo!r}")
         check_bool(name, "reduce_amax", self.reduce_amax)
+        _check_backward_override(name, self.backward_override, stateless=False)
 
 
 def _no_split_accumulator() -> MMParams:
@@ -279,6 +309,11 @@ class Float8CurrentScaling(Recipe):
     fp8_dpa, fp8_mha : bool, default False
         FP8 attention: not implemented; True raises NotImplementedError when an
         autocast enables the recipe.
+    backward_override : None | "high_precision" | "dequantized", default ``NVTE_BACKWARD_OVERRIDE``
+        None: FP8 dgrad and wgrad GEMMs. "high_precision": the backward GEMMs run in the
+        activation dtype on the forward's unquantized input and weight; "dequantized":
+        on the dequantized FP8 operands of the forward GEMM (NOTE [Backward override]
+        in ``transformer_engine/pytorch/module/backward_override.py``).
     """
 
     fp8_format: Format = Format.HYBRID
@@ -290,9 +325,11 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)
 
     def validate(self) -> None:
         _check_common(self)
+        _check_backward_override("Float8CurrentScaling", self.backward_override)
 
 
 def _block_qparams() -> QParams:
@@ -334,6 +371,11 @@ class Float8BlockScaling(Recipe):
     fp8_dpa, fp8_mha : bool, default False
         FP8 attention: not implemented; True raises NotImplementedError when an
         autocast enables the recipe.
+    backward_override : None | "high_precision" | "dequantized", default ``NVTE_BACKWARD_OVERRIDE``
+        None: FP8 dgrad and wgrad GEMMs. "high_precision": the backward GEMMs run in the
+        activation dtype on the forward's unquantized input and weight; "dequantized":
+        on the dequantized FP8 operands of the forward GEMM (NOTE [Backward override]
+        in ``transformer_engine/pytorch/module/backward_override.py``).
     """
 
     fp8_format: Format = Format.E4M3
@@ -348,10 +390,12 @@ class Float8BlockScaling(Recipe):
     fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)
 
     def validate(self) -> None:
         name = "Float8BlockScaling"
         _check_common(self)
+        _check_backward_override(name, self.backward_override)
         for f in _BLOCK_DIM_FIELDS:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -372,6 +416,7 @@ class _UnimplementedRecipe(Recipe):
 
     def validate(self) -> None:
         _check_format(type(self).__name__, self.fp8_format)
+        _check_backward_override(type(self).__name__, self.backward_override)
 
 
 @dataclass(unsafe_hash=True)
@@ -383,6 +428,7 @@ class MXFP8BlockScaling(_UnimplementedRecipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)
 
 
 @dataclass(unsafe_hash=True)
@@ -394,3 +440,4 @@ class NVFP4BlockScaling(_UnimplementedRecipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=_env_backward_override)

@@ -97,6 +97,11 @@ class MMParams(ReadOnlyWhenCopied):
         check_mmparams("MMParams", "", self)
 
 
+# NVIDIA's TE defines QParams and MMParams in transformer_engine.common.recipe, which
+# re-exports them: pickles of a recipe (FP8 extra state) name them there, as TE's do.
+QParams.__module__ = MMParams.__module__ = "transformer_engine.common.recipe"
+
+
 def validated_copy(recipe):
     """``recipe`` checked (`Recipe.validate`) and copied read-only, as an autocast runs
     it (NOTE [Recipe validation]). The copy is cached on ``recipe`` and reused while

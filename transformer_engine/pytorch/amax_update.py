@@ -26,7 +26,8 @@ NOTE [Non-finite amaxes]
     never enters the history: at the update, such a tensor keeps its scale, its live
     slot enters the history as 0 (no observation), and the event is counted per
     device (`non_finite_amax_count`). The next finite amax updates as usual. Current
-    scaling counts non-finite amaxes the same way (its cast then uses scale 1). The
+    and block scaling count non-finite amaxes at the cast (its cast then uses scale 1);
+    an activation recompute's casts count nothing (the first forward did). The
     counters are device tensors, so counting needs no host synchronization; the
     warning (once, again after `reset_non_finite_amax_count`) is checked after each
     update, not on the cast path, over the updating thread's own counters (a thread

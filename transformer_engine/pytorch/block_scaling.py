@@ -27,20 +27,20 @@ NOTE [Block scaling layout]
     amax, with the role's `QParams` (TE's default here: power-of-2 scales, no epsilon).
     No state and no history: a recompute casts the same values to the same bits, so
     activation recompute needs no stash. On CUDA the cast is one Triton pass
-    (`triton_kernels.block_cast`; the columnwise 1D copy reads a transposed view),
+    (`kernels.casts.block_cast`; the columnwise 1D copy reads a transposed view),
     elsewhere (and with ``NVTE_FUSED_FP8_KERNELS=0``) torch ops: the same bits.
 
-    The GEMM runs on Hopper GPUs through ``torch._scaled_mm``'s blockwise scales (x and
-    dy in 1x128 blocks, M a multiple of 8 and N of 16; its accumulation is the hardware's,
-    see `_hardware_gemm`). Everywhere else (and with ``NVTE_BLOCK_FP8_GEMM=emulation``)
-    it is an exact emulation, the same code on CPU and CUDA: both operands are
-    dequantized block by block to float32 and multiplied by one float32 GEMM. An FP8
-    value has at most 4 significant bits, so with a power-of-2 scale the dequantized
-    value is exact, and so is the product of two of them (8 bits); the sums accumulate
-    in float32, as the hardware's block-scaled GEMM does (in another order). Such
-    operands are exact in TF32 too, so a CUDA TF32 setting changes nothing; with
-    ``power_2_scale=False`` a dequantized value is rounded once to float32 (and to TF32
-    if the script allows TF32 matmuls). `MMParams.use_split_accumulator` changes
+    The GEMM runs on Hopper GPUs through ``torch._scaled_mm``'s blockwise scales (x and dy
+    in 1x128 blocks, M a multiple of 8 and N of 16, NOTE [Block-scaled GEMM routing]; its
+    accumulation is the hardware's, see `_hardware_gemm`). Everywhere else (and with
+    ``NVTE_BLOCK_FP8_GEMM=emulation``) it is an exact emulation, the same code on CPU and
+    CUDA: both operands are dequantized block by block to float32 and multiplied by one
+    float32 GEMM. An FP8 value has at most 4 significant bits, so with a power-of-2 scale
+    the dequantized value is exact, and so is the product of two of them (8 bits); the
+    sums accumulate in float32, as the hardware's block-scaled GEMM does (in another
+    order). Such operands are exact in TF32 too, so a CUDA TF32 setting changes nothing;
+    with ``power_2_scale=False`` a dequantized value is rounded once to float32 (and to
+    TF32 if the script allows TF32 matmuls). `MMParams.use_split_accumulator` changes
     nothing here: the accumulation is float32 either way.
 """
 
@@ -56,7 +56,8 @@ from .amax_update import non_finite_counter
 from .kernel_config import get_kernel_config
 
 __all__ = ["BLOCK", "BlockScaledData", "quantize_blocks", "cast_blocks", "cast_for_role",
-           "block_gemm", "emulated_block_gemm", "hardware_gemm_fits"]
+           "block_gemm", "emulated_block_gemm", "hardware_gemm_fits", "hardware_route",
+           "hardware_operands", "padded_k"]
 
 BLOCK = 128
 # which recipe field gives the block shape of each role's tensors
@@ -145,13 +146,16 @@ def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int = 1,
 
 def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scale: bool,
                 amax_epsilon: float, rowwise: bool = True, columnwise: bool = False,
+                count_where: Optional[torch.Tensor] = None, count_non_finite: bool = True,
                 backward: bool = False
                 ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """``(rowwise, columnwise)`` copies of a 2-D ``x`` [R, C], each None unless asked
     for: ``rowwise`` [R, C] with blocks along C, ``columnwise`` [C, R] with blocks along
     R (NOTE [Block scaling layout]). A NaN or inf in ``x`` is counted once (NOTE
-    [Non-finite amaxes] in amax_update.py; ``backward``: a cast of the backward pass, for
-    the compiled-code counters)."""
+    [Non-finite amaxes] in amax_update.py); with ``count_where`` (a bool scalar
+    tensor) only where it is True (a cast the device may discard); not at all with
+    ``count_non_finite=False`` (a recompute's cast). ``backward``: a cast of the
+    backward pass (which counter compiled code adds to, NOTE [torch.compile])."""
     row = col = None
     amaxes = None
     if rowwise or (columnwise and block_rows == BLOCK):
@@ -161,32 +165,37 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_sc
             col = row.t_contiguous()
         else:
             col, amaxes = _quantize(x.t(), dtype, 1, power_2_scale, amax_epsilon)
-    if amaxes is not None and amaxes.numel() > 0:
-        non_finite_counter(amaxes.device, backward).add_(~torch.isfinite(amaxes.amax()))
+    if count_non_finite and amaxes is not None and amaxes.numel() > 0:
+        non_finite = ~torch.isfinite(amaxes.amax())
+        if count_where is not None:
+            non_finite = non_finite & count_where
+        non_finite_counter(amaxes.device, backward).add_(non_finite)
     return (row if rowwise else None), col
 
 
 def cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, rowwise: bool,
-                  columnwise: bool) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
+                  columnwise: bool, count_where: Optional[torch.Tensor] = None,
+                  count_non_finite: bool = True
+                  ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """`cast_blocks` with the block shape and `QParams` that a Float8BlockScaling
     ``recipe`` gives the tensors of ``role``: "fwd_inp", "fwd_weight" or "bwd_grad"."""
     q = getattr(recipe, "fp8_quant_" + role)
     block_rows = BLOCK if getattr(recipe, _ROLE_DIM_FIELDS[role]) == 2 else 1
     return cast_blocks(x, dtype, block_rows, q.power_2_scale, q.amax_epsilon, rowwise,
-                       columnwise, backward=role == "bwd_grad")
+                       columnwise, count_where, count_non_finite, backward=role == "bwd_grad")
 
 
 def block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``a @ b^T`` for block-scaled ``a`` [M, K] and ``b`` [N, K] (blocks along K), the
     bias added in float32 and the result rounded once to ``out_dtype``: on Hopper
-    through ``torch._scaled_mm``'s blockwise scales where `hardware_gemm_fits` and the
-    output is float32 or bfloat16, else `emulated_block_gemm` (NOTE [Block scaling
-    layout])."""
+    through ``torch._scaled_mm``'s blockwise scales where `hardware_gemm_fits`, else
+    `emulated_block_gemm` (NOTE [Block scaling layout], NOTE [Block-scaled GEMM
+    routing])."""
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"block_scaling.block_gemm: inner dimensions differ: a is "
                          f"{tuple(a.data.shape)}, b is {tuple(b.data.shape)} (computing a @ b^T)")
-    if out_dtype in _HARDWARE_OUT_DTYPES and hardware_gemm_fits(a, b):
+    if hardware_gemm_fits(a, b, out_dtype):
         return _hardware_gemm(a, b, out_dtype, bias)
     return emulated_block_gemm(a, b, out_dtype, bias)
 
@@ -201,17 +210,70 @@ def emulated_block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
+# NOTE [Block-scaled GEMM routing]
+#     ``torch._scaled_mm`` (aten/src/ATen/native/cuda/ScaledBlas.cpp) reads the scaling
+#     scheme off the scale tensors' shapes and strides, trying in order: tensorwise
+#     (one-element scales), row-wise (``scale_a`` [M, 1] and ``scale_b`` [1, N],
+#     contiguous), then the blockwise pairs; a GEMM that matches none raises "Invalid
+#     scaling configuration". The blockwise forms, with ``kb = ceil(K / 128)``:
+#
+#       a in 1x128 blocks     ``scale_a`` [M, kb], strides (1, M): column-major
+#       b in 1x128 blocks     ``scale_b`` [kb, N], strides (N, 1)
+#       b in 128x128 blocks   ``scale_b`` [kb, ceil(N / 128)], strides (1, s) with s =
+#                             kb in some torch versions, kb rounded up to a multiple of
+#                             4 in others
+#
+#     and a stride is not checked along a dimension of size 1 or less. So an empty M
+#     cannot be described (stride 0 is required along kb, the tensor has 1), a GEMM with
+#     kb = 1 reads as row-wise or tensorwise scaling (the same arithmetic, but another
+#     kernel: CUTLASS with bfloat16 output only where cuBLAS is older than 12.9), and M
+#     = 1 or N <= 1 make the 128x128 forms ambiguous. The hardware path therefore takes
+#     only GEMMs with ``a`` in 1x128 blocks, M a positive multiple of 8 (the shapes it
+#     was checked with) and N of 16 (``_scaled_mm``'s rule), K > 0, not both operands
+#     E5M2 (cuBLASLt has no such GEMM), and a float32 or bfloat16 output (float16 was
+#     not checked on the hardware); and it pads K with zero values of scale 1 to a
+#     multiple of 128 and at least 256 (kb >= 2), a multiple of 512 for a 128x128 ``b``
+#     (kb a multiple of 4, which satisfies both versions' stride rule). Everything else
+#     is emulated: the routing refuses up front, it never waits for ``_scaled_mm`` to
+#     raise. ``tests/pytorch/test_block_gemm_routing.py`` sweeps shapes, dtypes and
+#     layouts through both paths on Hopper; ``benchmarks/probe_block_scaled_mm.py`` asks
+#     ``_scaled_mm`` itself about the configurations the routing refuses.
+
 _HOPPER: dict = {}     # device index -> whether it is a Hopper GPU (SM 9.0)
 # the output dtypes the hardware path was checked with on an H200 (float16 is emulated)
 _HARDWARE_OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def hardware_gemm_fits(a: BlockScaledData, b: BlockScaledData) -> bool:
+def hardware_route(m: int, k: int, n: int, a_block_rows: int, a_dtype: torch.dtype,
+                   b_dtype: torch.dtype, out_dtype: torch.dtype) -> Optional[str]:
+    """None when a GEMM of ``a`` [m, k] and ``b`` [n, k] of these block shapes and dtypes
+    can go to Hopper's block-scaled GEMM (NOTE [Block-scaled GEMM routing]), else why it
+    is emulated. Shapes and dtypes only: `hardware_gemm_fits` adds the device and the
+    kernel configuration."""
+    if a_block_rows != 1:
+        return "a is in 128x128 blocks (the hardware takes a in 1x128 blocks)"
+    if m == 0 or n == 0 or k == 0:
+        return f"an empty dimension (M={m}, K={k}, N={n})"
+    if m % 8:
+        return f"M={m} is not a multiple of 8"
+    if n % 16:
+        return f"N={n} is not a multiple of 16"
+    if a_dtype == torch.float8_e5m2 and b_dtype == torch.float8_e5m2:
+        return "both operands are E5M2"
+    if out_dtype not in _HARDWARE_OUT_DTYPES:
+        return f"the output dtype {out_dtype} (the hardware path takes float32 or bfloat16)"
+    return None
+
+
+def hardware_gemm_fits(a: BlockScaledData, b: BlockScaledData,
+                       out_dtype: torch.dtype = torch.float32) -> bool:
     """Whether `block_gemm` runs on the GPU's block-scaled FP8 GEMM: a Hopper device,
-    ``KernelConfig.block_gemm`` "hardware", ``a`` in 1x128 blocks, M a multiple of 8
-    and N of 16 (``torch._scaled_mm``'s rule); other GEMMs are emulated."""
+    ``KernelConfig.block_gemm`` "hardware", and `hardware_route` finds nothing against
+    the shapes and dtypes; other GEMMs are emulated."""
     data = a.data
-    if not data.is_cuda or a.block_rows != 1 or data.shape[0] % 8 or b.data.shape[0] % 16:
+    if not data.is_cuda or hardware_route(data.shape[0], data.shape[1], b.data.shape[0],
+                                          a.block_rows, data.dtype, b.data.dtype,
+                                          out_dtype) is not None:
         return False
     index = data.device.index
     if torch.compiler.is_compiling():       # no cache written by a graph
@@ -223,30 +285,43 @@ def hardware_gemm_fits(a: BlockScaledData, b: BlockScaledData) -> bool:
     return hopper and get_kernel_config().block_gemm == "hardware"
 
 
+def padded_k(k: int, b_block_rows: int) -> int:
+    """K as the hardware GEMM takes it (NOTE [Block-scaled GEMM routing]): a multiple
+    of 128 and at least 256, of 512 for a ``b`` in 128x128 blocks."""
+    if b_block_rows == BLOCK:
+        return max(-(-k // (4 * BLOCK)), 1) * 4 * BLOCK
+    return max(-(-k // BLOCK), 2) * BLOCK
+
+
 def _pad_k(t: torch.Tensor, cols: int, value) -> torch.Tensor:
     return t if t.shape[1] == cols else F.pad(t, (0, cols - t.shape[1]), value=value)
 
 
+def hardware_operands(a: BlockScaledData, b: BlockScaledData):
+    """``(a_data, b_data, scale_a, scale_b)`` as `_hardware_gemm` hands them to
+    ``torch._scaled_mm``: ``a_data`` [M, Kp] row-major, ``b_data`` [Kp, N] column-major
+    (the transpose of ``b``'s data padded), the scales in the layouts of NOTE
+    [Block-scaled GEMM routing], K zero-padded to `padded_k` (scales 1 there)."""
+    k_padded = padded_k(a.data.shape[1], b.block_rows)
+    blocks = k_padded // BLOCK
+    a_data = _pad_k(a.data.view(torch.uint8), k_padded, 0).view(a.data.dtype).contiguous()
+    b_data = _pad_k(b.data.view(torch.uint8), k_padded, 0).view(b.data.dtype).contiguous()
+    scale_a = _pad_k(a.scale_inv, blocks, 1.0).t().contiguous().t()
+    scale_b = _pad_k(b.scale_inv, blocks, 1.0).contiguous()
+    scale_b = scale_b.t() if b.block_rows == BLOCK else scale_b.t().contiguous()
+    return a_data, b_data.t(), scale_a, scale_b
+
+
 def _hardware_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """`block_gemm` by ``torch._scaled_mm`` with blockwise scales (checked on an H200,
-    torch 2.11): ``a``'s scales [M, K/128] column-major, ``b``'s [K/128, N/128]
-    column-major (128x128 blocks) or [K/128, N] row-major (1x128 blocks). K is padded
-    with zero values (scale 1) to a multiple of 128, and of 512 for a 128x128 ``b``,
-    whose scales' leading dimension cuBLAS reads in fours. Hopper adds each 128-long
-    block's products in its tensor cores (about 14 significant bits) and the blocks in
-    float32: each product may be off by up to ``2**-13`` of its block's largest
-    (measured on an H200: ``2**-14.8`` at most), not the exact emulation's result."""
-    multiple = 4 * BLOCK if b.block_rows == BLOCK else BLOCK
-    k_padded = -(-a.data.shape[1] // multiple) * multiple
-    blocks = k_padded // BLOCK
-    a_data = _pad_k(a.data.view(torch.uint8), k_padded, 0).view(a.data.dtype)
-    b_data = _pad_k(b.data.view(torch.uint8), k_padded, 0).view(b.data.dtype)
-    a_scale = _pad_k(a.scale_inv, blocks, 1.0).t().contiguous().t()
-    b_scale = _pad_k(b.scale_inv, blocks, 1.0)
-    b_scale = b_scale.t() if b.block_rows == BLOCK else b_scale.t().contiguous()
+    """`block_gemm` by ``torch._scaled_mm`` with blockwise scales (`hardware_operands`;
+    checked on an H200, torch 2.11). Hopper adds each 128-long block's products in its
+    tensor cores (about 14 significant bits) and the blocks in float32: each product
+    may be off by up to ``2**-13`` of its block's largest (measured on an H200:
+    ``2**-14.8`` at most), not the exact emulation's result."""
+    a_data, b_data, scale_a, scale_b = hardware_operands(a, b)
     direct = bias is None
-    out = torch._scaled_mm(a_data, b_data.t(), a_scale, b_scale,
+    out = torch._scaled_mm(a_data, b_data, scale_a, scale_b,
                            out_dtype=out_dtype if direct else torch.float32)
     if direct:
         return out

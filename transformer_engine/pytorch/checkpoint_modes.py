@@ -1,11 +1,22 @@
 """The two checkpoint implementations behind ``te.checkpoint`` (distributed.py), one
 per mode, and the `CheckpointCall` both carry from phase 1 into the recompute.
 
-Reentrant: an autograd Function runs phase 1 under ``no_grad`` in its forward and the
-recompute plus an inner backward in its backward. Non-reentrant: saved-tensor hooks
-keep no activation in phase 1 and recompute the whole function at the first unpack.
-Where a thread stands and what a call keeps for its recompute live in recompute.py
-(NOTE [Recompute stashes], NOTE [Module modes]).
+Reentrant: an autograd Function runs phase 1 in its forward and the recompute plus an
+inner backward in its backward. Non-reentrant: saved-tensor hooks keep no activation
+in phase 1 and recompute the whole function at the first unpack. Where a thread
+stands and what a call keeps for its recompute live in recompute.py (NOTE [Recompute
+stashes], NOTE [Module modes]).
+
+NOTE [Reentrant phase 1]
+    A forward counts as training (records amaxes, updates scales) when grad is
+    enabled where it runs, and the function may turn grad off for part of itself
+    (``torch.no_grad()`` around a probe). Phase 1 must see that as the un-checkpointed
+    forward does, so it does not run under ``no_grad`` (torch's reentrant checkpoint
+    does): it runs under the call site's grad mode, on arguments cut from the caller's
+    graph (new leaves on the same storage, as the recompute's), and its outputs are
+    detached, so the graph it builds is dropped when it returns. Its saved tensors
+    live until then: the peak of phase 1 is that of the recompute, not more. A call
+    made with grad disabled runs phase 1 under ``no_grad`` and counts as no training.
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ class _CheckpointCall:
     def __init__(self, function: Callable, tracker, context_fn):
         self.function = function
         self.frame = RecomputeFrame()
-        self.training = recompute.is_training_forward()   # inherited inside a reentrant phase 1
+        self.training = recompute.is_training_forward()   # a client's no_grad first forward too
         self.rng = RngSnapshot(tracker)
         self.frame.rng_graph_safe = self.rng.graph_safe
         self.fp8_state = FP8GlobalStateManager.get_fp8_autocast_state()
@@ -65,8 +76,10 @@ class _CheckpointCall:
 
     @contextlib.contextmanager
     def phase1(self, reentrant: bool):
+        # A reentrant phase 1 runs under the call site's grad mode (NOTE [Reentrant
+        # phase 1]), so the grad mode alone says what a forward inside it is.
         with recompute.enter(self.frame, recomputing=False,
-                             training_under_no_grad=self.training if reentrant else None):
+                             training_under_no_grad=False if reentrant else None):
             with self.user_forward_ctx:
                 yield
 
@@ -112,8 +125,15 @@ def _no_grad_output_error() -> RuntimeError:
         "checkpointing it.")
 
 
+def _cut_from_graph(a):
+    """A tensor argument as phase 1 and the recompute see it: a new leaf on the same
+    storage, requiring grad as the argument does."""
+    return a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+
+
 class _ReentrantCheckpointFunction(torch.autograd.Function):
-    """Phase 1 under no_grad in forward; recompute + inner backward in backward.
+    """Phase 1 in forward, a training forward whose graph is dropped (NOTE [Reentrant
+    phase 1]); recompute + inner backward in backward.
     Outputs in nested tuples, lists and dicts are returned flat and rebuilt by the
     caller, so every output tensor stays connected to the graph."""
 
@@ -125,9 +145,15 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
         first = next((a for a in flat if torch.is_tensor(a)), None)
         if distribute is not None and first is not None:
             chunk_numel(first, distribute)     # fail before phase 1 touches any FP8 state
-        with call.phase1(reentrant=True):
+        if call.training:
+            # Phase 1 is a training forward whose graph is dropped (NOTE [Reentrant
+            # phase 1]): on inputs cut from the caller's graph, as the recompute's are.
+            args, kwargs = _unflatten(tuple(_cut_from_graph(a) for a in flat), keys)
+        with call.phase1(reentrant=True), torch.set_grad_enabled(call.training):
             outputs = call.function(*args, **kwargs)
         leaves, spec = flatten_nested(outputs)
+        leaves = [t.detach() if torch.is_tensor(t) else t for t in leaves]
+        del outputs                 # (the phase-1 graph goes with the last reference)
         out_spec.append(spec)
         ctx.tensor_positions = [i for i, a in enumerate(flat) if torch.is_tensor(a)]
         ctx.inputs_require_grad = [flat[i].requires_grad for i in ctx.tensor_positions]

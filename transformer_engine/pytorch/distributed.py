@@ -22,7 +22,7 @@ from . import recompute
 from .checkpoint_modes import non_reentrant_checkpoint, reentrant_checkpoint
 from .fp8 import FP8GlobalStateManager
 from .recompute import RecomputeFrame, RecomputeStateError
-from .rng import CudaRNGStatesTracker
+from .rng import CudaRNGStatesTracker, get_all_rng_states
 from .utils import check_process_group
 from .tensor_parallel import (gather_split_1d_tensor, get_distributed_rank,
                               get_distributed_world_size, set_tensor_model_parallel_attributes,
@@ -31,7 +31,7 @@ from .tensor_parallel import (gather_split_1d_tensor, get_distributed_rank,
 __all__ = [
     "checkpoint", "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase",
     "activation_recompute_forward",
-    "CudaRNGStatesTracker", "recompute_stash_count",
+    "CudaRNGStatesTracker", "get_all_rng_states", "recompute_stash_count",
     "split_tensor_into_1d_equal_chunks", "gather_split_1d_tensor",
     "get_distributed_world_size", "get_distributed_rank", "set_tensor_model_parallel_attributes",
 ]
@@ -80,7 +80,9 @@ def activation_recompute_forward(activation_recompute: bool = False,
     if not recompute_phase:
         frame = RecomputeFrame()
         # The client runs this forward under no_grad to keep nothing; it is a training
-        # forward all the same (amaxes recorded, as without recompute).
+        # forward all the same (amaxes recorded, as without recompute). Unlike
+        # te.checkpoint's (NOTE [Reentrant phase 1]), a no_grad branch inside it
+        # cannot be told apart and counts as training too.
         with recompute.enter(frame, recomputing=False, training_under_no_grad=True):
             yield
         with _LEGACY_LOCK:
@@ -177,8 +179,11 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
         Passed to ``function``; non-tensor arguments pass through untouched.
     use_reentrant : bool, default True
         True: an autograd Function that re-runs ``function`` in its backward (not
-        usable with ``torch.autograd.grad``; ``retain_graph`` works). False: saved-
-        tensor hooks that recompute the whole function at the first unpack.
+        usable with ``torch.autograd.grad``; ``retain_graph`` works); its first
+        forward runs under the call site's grad mode and drops its graph when it
+        returns, so ``function`` sees the grad mode a plain call would (NOTE
+        [Reentrant phase 1] in checkpoint_modes.py). False: saved-tensor hooks that
+        recompute the whole function at the first unpack.
     distribute_saved_activations : bool, default False
         Reentrant only: keep 1/tp of the first tensor argument per rank of
         ``tp_group`` (needs an initialized process group), gathered for the recompute.

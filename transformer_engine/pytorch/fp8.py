@@ -93,6 +93,12 @@ class FP8GlobalStateManager:
     """
 
     # ---- queries ---------------------------------------------------------------
+    @staticmethod
+    def get_meta_tensor_key(forward: bool = True) -> str:
+        """The ``fp8_meta`` key of a module's forward (``"scaling_fwd"``) or backward
+        (``"scaling_bwd"``) delayed-scaling state."""
+        return "scaling_fwd" if forward else "scaling_bwd"
+
     @classmethod
     def reset(cls) -> None:
         """Back to no autocast and no ``quantized_model_init`` on this thread, and no
@@ -233,27 +239,59 @@ class FP8GlobalStateManager:
             amax_update.update_sessions([session], forward)
 
     # ---- recompute hooks (NOTE [Recompute stashes] in recompute.py) ------------
+    # TE's signatures, ``(fp8_meta) -> None``: a caller (or a wrapper a test installs
+    # on this class) needs nothing back. What the module needs travels in ``fp8_meta``:
+    # `RECOMPUTE_POSITION_KEY` (TE's key: set once the module stashed, kept after) and,
+    # for the one call that is running, `RECOMPUTE_STASH_KEY` (the module takes it).
     @classmethod
-    def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict,
-                                                    session=None) -> RecomputeStash:
-        """Phase 1: stash this module's forward scale and amax history into every
-        checkpoint call that is recording; returns the stash."""
-        entry = RecomputeStash(ScalingSnapshot(fp8_meta["scaling_fwd"]), session, {})
-        fp8_meta["global_fp8_buffer_pos_fwd_recompute"] = recompute.stash(fp8_meta, entry)
-        return entry
+    def copy_forward_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict) -> None:
+        """Phase 1: stash this module's forward scale and amax history, with the
+        autocast session of a training forward, into every checkpoint call that is
+        recording; a no-op for a module without delayed-scaling state."""
+        if not _has_delayed_scaling_state(fp8_meta):
+            return
+        training = cls.is_fp8_enabled() and recompute.is_training_forward()
+        entry = RecomputeStash(ScalingSnapshot(fp8_meta["scaling_fwd"]),
+                               cls.current_session() if training else None, {})
+        position = recompute.stash(fp8_meta, entry)
+        if position is not None:                # (None: no checkpoint call is recording)
+            fp8_meta[RECOMPUTE_POSITION_KEY] = position
+            fp8_meta[RECOMPUTE_STASH_KEY] = entry
 
     @classmethod
-    def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict) -> RecomputeStash:
-        """Phase 2: swap this call's stashed forward state in; returns the stash."""
+    def get_old_fp8_meta_tensors_for_recompute(cls, fp8_meta: dict) -> None:
+        """Phase 2: swap this call's stashed forward state in (the live one waits under
+        ``"updated_fp8_state_fwd"`` for `restore_fp8_meta_tensors`); a no-op for a
+        module without delayed-scaling state."""
+        if not _has_delayed_scaling_state(fp8_meta):
+            return
         entry = recompute.take(fp8_meta)
         fp8_meta["updated_fp8_state_fwd"] = fp8_meta["scaling_fwd"]
         fp8_meta["scaling_fwd"] = entry.snapshot.state
-        return entry
+        fp8_meta[RECOMPUTE_STASH_KEY] = entry
 
-    @classmethod
-    def restore_fp8_meta_tensors(cls, fp8_meta: dict) -> None:
-        """Phase 2, after the forward: put the live forward state back."""
-        fp8_meta["scaling_fwd"] = fp8_meta.pop("updated_fp8_state_fwd")
+    @staticmethod
+    def restore_fp8_meta_tensors(fp8_meta: dict) -> None:
+        """Phase 2, after the forward: put the live forward state back (a no-op when
+        nothing was swapped in)."""
+        fp8_meta.pop(RECOMPUTE_STASH_KEY, None)
+        if "updated_fp8_state_fwd" in fp8_meta:
+            fp8_meta["scaling_fwd"] = fp8_meta.pop("updated_fp8_state_fwd")
+
+
+RECOMPUTE_POSITION_KEY = "global_fp8_buffer_pos_fwd_recompute"
+"""The ``fp8_meta`` key of a module that stashed recompute state (TE's key): its
+position in the innermost recording checkpoint call."""
+
+RECOMPUTE_STASH_KEY = "recompute_stash_fwd"
+"""The ``fp8_meta`` key under which the recompute hooks leave the running call's
+`RecomputeStash` for the module (which takes it off in phase 1;
+`restore_fp8_meta_tensors` does in phase 2)."""
+
+
+def _has_delayed_scaling_state(fp8_meta: dict) -> bool:
+    recipe = fp8_meta.get("recipe")
+    return recipe is not None and recipe.delayed() and fp8_meta.get("scaling_fwd") is not None
 
 
 def _check_autocast_args(api: str, enabled, calibrating, recipe, group_name: str,

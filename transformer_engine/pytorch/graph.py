@@ -32,6 +32,17 @@ NOTE [Graphed FP8 state]
     fresh FP8 weight on the device (NOTE [Skip-update flag] in module/fp8_operands.py),
     by the ``is_first_microbatch`` each call passes; the warm-up runs as the capture
     will (`graph_warm_up`), so that the caches exist when the capture starts.
+
+NOTE [Returned parameter gradients]
+    A replay's gradients live in the graph's static buffers, which the next replay
+    overwrites. As in TE, a parameter's gradient is returned as a fresh copy of its
+    buffer (``clone_param_grads_on_return=True``, the default): what autograd hands a
+    gradient hook, or installs as ``.grad``, stays the caller's. Parameters marked
+    ``skip_backward_post_hook`` when the graph is captured (TE's delayed-wgrad mark),
+    and every parameter with ``clone_param_grads_on_return=False``, get the buffer
+    itself: a hook sees the same tensor at every replay. Autograd still copies such a
+    buffer into an empty ``.grad`` (the graph holds a reference to it, so it is not
+    adopted) and adds it to an existing one. Inputs' gradients are the buffers.
 """
 
 from __future__ import annotations
@@ -45,7 +56,8 @@ import torch
 from ..common.recipe import Recipe
 from .amax_update import observe_registrations
 from .fp8 import FP8GlobalStateManager, _AutocastState, autocast, graph_warm_up
-from .graph_args import API, UNSET, check_devices, check_group, normalize, resolve
+from .graph_args import (API, UNSET, check_capture_time_hooks, check_devices, check_group,
+                         default_order, normalize, resolve, run_hooks)
 from .graph_rng import GraphRng
 from .rng import rng_states_restored
 from .scaling import ScalingState
@@ -116,8 +128,10 @@ class _GraphedCallable:
     """One captured callable: static inputs and outputs, its two graphs, and the
     autograd Function that replays them."""
 
-    def __init__(self, fn, args, kwargs, setting: _FP8Setting, rng: GraphRng):
+    def __init__(self, fn, args, kwargs, setting: _FP8Setting, rng: GraphRng, index: int = 0,
+                 hooks=None, clone_param_grads: bool = True):
         self.fn, self.setting, self.rng = fn, setting, rng
+        self.index, self.hooks, self.clone_param_grads = index, hooks, clone_param_grads
         # the module's own forward, for eager calls once ``forward`` is this object
         self.eager = fn.forward if isinstance(fn, torch.nn.Module) else fn
         self.keys = tuple(kwargs)
@@ -128,7 +142,13 @@ class _GraphedCallable:
         self.static_outputs: Tuple[torch.Tensor, ...] = ()
         self.static_grad_outputs: Tuple[Optional[torch.Tensor], ...] = ()
         self.static_grad_inputs: Tuple[Optional[torch.Tensor], ...] = ()
+        self.cloned: Tuple[bool, ...] = ()        # which gradients a replay returns cloned
         self.replay = None
+
+    def hook(self, name: str) -> None:
+        """This callable's capture-time hooks ``name`` (outside any capture)."""
+        if self.hooks is not None:
+            run_hooks(self.hooks, self.index, name, self.fn)
 
     def run_forward(self):
         n = len(self.static_inputs) - len(self.keys)
@@ -138,8 +158,10 @@ class _GraphedCallable:
         return out
 
     def capture_forward(self) -> None:
+        self.hook("forward_pre_hooks")
         with self.rng.capture_forward():
             out = self.run_forward()
+        self.hook("forward_hooks")
         leaves, self.out_spec = flatten_nested(out)
         if not all(torch.is_tensor(t) for t in leaves):
             raise TypeError(f"{API}: a graphed callable must return tensors (in tuples, lists "
@@ -149,20 +171,26 @@ class _GraphedCallable:
     def capture_backward(self, allow_unused: bool, retain_graph: bool) -> None:
         self.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
                                          for o in self.static_outputs)
+        self.hook("backward_pre_hooks")
         with self.rng.capture_backward(self.bwd_graph):
             self.static_grad_inputs = _backward(self.static_outputs, self.grad_inputs,
                                                 self.static_grad_outputs, allow_unused,
                                                 retain_graph)
+        self.hook("backward_hooks")
+        # NOTE [Returned parameter gradients]: the policy is fixed now, at capture
+        first_param = len(self.static_inputs)
+        self.cloned = tuple(
+            self.clone_param_grads and i >= first_param and g is not None
+            and not getattr(self.grad_inputs[i], "skip_backward_post_hook", False)
+            for i, g in enumerate(self.static_grad_inputs))
         # Drop the captured autograd graph: it would keep the parameters' gradient
         # accumulators of the capture stream alive for every later backward.
         self.static_outputs = tuple(o.detach() for o in self.static_outputs)
         self.replay = self._make_function()
 
     def _make_function(self):
-        """The autograd Function that replays the two graphs. Gradients are returned as
-        the graph's own buffers, not detached views of them: autograd then copies a
-        buffer into an empty ``.grad`` (a view would be adopted as ``.grad``, and the
-        next replay would overwrite it) and adds it to an existing one."""
+        """The autograd Function that replays the two graphs (NOTE [Returned parameter
+        gradients])."""
         graphed = self
 
         class Graphed(torch.autograd.Function):
@@ -185,9 +213,21 @@ class _GraphedCallable:
                             static.copy_(g)
                 graphed.rng.prepare_backward(ctx.rng_states)
                 graphed.bwd_graph.replay()
-                return graphed.static_grad_inputs
+                return tuple(g.clone() if clone else g
+                             for g, clone in zip(graphed.static_grad_inputs, graphed.cloned))
 
         return Graphed
+
+    def reset(self) -> None:
+        """TE's ``reset()`` of a graphed callable: free its graphs (it cannot replay
+        after this)."""
+        for graph in list(self.rng.segments) + [self.bwd_graph]:
+            graph.reset()
+        self.replay = None
+
+    def backward_dw(self) -> None:
+        """TE's ``backward_dw()``: the deferred weight-gradient graph of modules with
+        ``delay_wgrad_compute``, which this package does not implement: nothing to run."""
 
     def __call__(self, *args, **kwargs):
         if self.setting.weight_caching:
@@ -201,6 +241,9 @@ class _GraphedCallable:
         if not (training and torch.is_grad_enabled()):
             with self.setting.outermost():
                 return self.eager(*args, **kwargs)
+        if self.replay is None:
+            raise RuntimeError(f"{API}: this graphed callable was reset(); its graphs are "
+                               "gone (graph the callable again)")
         if tuple(kwargs) != self.keys or len(args) + len(kwargs) != len(self.static_inputs):
             raise TypeError(f"{API}: a graphed callable must be called with the positional "
                             f"and keyword tensor arguments it was captured with "
@@ -232,7 +275,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
                            fp8_group=UNSET, fp8_weight_caching=UNSET, _order=None, pool=None,
                            retain_graph_in_backward: bool = False, *, enabled=UNSET,
                            calibrating=UNSET, recipe=UNSET, amax_reduction_group=UNSET,
-                           cache_quantized_params=UNSET):
+                           cache_quantized_params=UNSET, _num_layers_per_chunk=None,
+                           _reuse_graph_input_output_buffers: bool = False,
+                           clone_param_grads_on_return: bool = True, pre_warmup_hook=None,
+                           post_warmup_hook=None, capture_time_hooks=None):
     """Capture callables' training forward and backward as CUDA graphs, with FP8 state
     updates inside the graphs (NOTE [Graphed FP8 state]) and graph-safe dropout: each
     replay draws fresh masks from torch's default CUDA generator and the states of
@@ -245,7 +291,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         ``nn.Module``\\ s or functions; a tuple shares one memory pool and must be in
         the order the callables run. A module's parameters get gradients as usual; a
         function's tensors other than its arguments do not.
-    sample_args : tuple of tensors, or a tuple of such tuples (one per callable)
+    sample_args : tuple (or list) of tensors, or a tuple of such (one per callable)
         CUDA tensors of the shapes and dtypes every later call passes.
     num_warmup_iters : int, default 3
         Eager iterations before the capture (at least 1 with FP8 or calibration).
@@ -267,12 +313,29 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         A memory pool handle (``torch.cuda.graph_pool_handle()``) to capture into.
     retain_graph_in_backward : bool, default False
         Keep the captured autograd graph for a second backward inside the capture.
+    clone_param_grads_on_return : bool, default True
+        Return each parameter's gradient as a fresh copy of the graph's buffer (not
+        for parameters marked ``skip_backward_post_hook`` at capture); False returns
+        the buffers themselves (NOTE [Returned parameter gradients]).
+    pre_warmup_hook, post_warmup_hook : callable, optional
+        Called (no arguments) once before and once after the warm-up iterations.
+    capture_time_hooks : list, optional
+        One entry per callable: None or a dict with some of the keys
+        "forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks",
+        each a dict ``{hook_id: hook(module)}``. They run around every warm-up
+        forward / backward of their callable and around its captures, always outside
+        the capture (nothing of them is replayed); a hook must return None.
+    _order, _num_layers_per_chunk : optional
+        Megatron's pipeline schedule: taken when it is the default one
+        (``[1, ..., C, -C, ..., -1]``, one micro-batch); others raise
+        NotImplementedError. ``_reuse_graph_input_output_buffers=True`` also does.
 
     Returns
     -------
     The graphed callable, or a tuple of them in the order given. A graphed module
     keeps its parameters; its ``forward`` replays the graphs in training mode with
-    grad enabled, and runs eagerly otherwise.
+    grad enabled, and runs eagerly otherwise. Each has TE's ``reset()`` (free its
+    graphs) and ``backward_dw()`` (nothing to run here).
     """
     enabled = resolve("enabled", enabled, "fp8_enabled", fp8_enabled, False)
     calibrating = resolve("calibrating", calibrating, "fp8_calibrating", fp8_calibrating, False)
@@ -298,10 +361,20 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     if cache and not enabled:
         raise ValueError(f"{API}: cache_quantized_params=True caches FP8 weights, so it needs "
                          "enabled=True")
-    if _order is not None:
-        raise NotImplementedError(f"{API}: _order (interleaved pipeline-parallel capture) is "
-                                  "not implemented")
+    for name, value in (("clone_param_grads_on_return", clone_param_grads_on_return),
+                        ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{API}: {name} must be a bool, got {value!r}")
+    if _reuse_graph_input_output_buffers:
+        raise NotImplementedError(f"{API}: _reuse_graph_input_output_buffers=True (buffers shared "
+                                  "across a pipeline schedule) is not implemented")
+    for name, hook in (("pre_warmup_hook", pre_warmup_hook),
+                       ("post_warmup_hook", post_warmup_hook)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{API}: {name} must be callable or None, got {hook!r}")
     single, callables, args, kwargs = normalize(modules, sample_args, sample_kwargs)
+    default_order(_order, _num_layers_per_chunk, len(callables))
+    hooks = check_capture_time_hooks(capture_time_hooks, len(callables))
     if not torch.cuda.is_available():
         raise RuntimeError(f"{API}: CUDA graphs need a CUDA device, and none is available")
     check_devices(callables, args, kwargs)
@@ -310,9 +383,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     setting = _FP8Setting(enabled, calibrating, recipe, group, cache)
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream()                  # one capture stream for the shared pool
-    graphed = [_GraphedCallable(fn, a, k, setting, GraphRng(pool, stream))
-               for fn, a, k in zip(callables, args, kwargs)]
-    _warm_up(graphed, num_warmup_iters, allow_unused_input)
+    graphed = [_GraphedCallable(fn, a, k, setting, GraphRng(pool, stream), i, hooks,
+                                clone_param_grads_on_return)
+               for i, (fn, a, k) in enumerate(zip(callables, args, kwargs))]
+    _warm_up(graphed, num_warmup_iters, allow_unused_input, pre_warmup_hook, post_warmup_hook)
     torch.cuda.synchronize()
     for i, g in enumerate(graphed):
         _capturing(i, "forward", g.capture_forward)
@@ -324,15 +398,20 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     for g in graphed:
         if isinstance(g.fn, torch.nn.Module):
             g.fn.forward = g
+            # TE's attributes of a graphed callable (instance attributes, as TE sets them)
+            g.fn.reset, g.fn.backward_dw = g.reset, g.backward_dw
             results.append(g.fn)
         else:
             results.append(g)
     return results[0] if single else tuple(results)
 
 
-def _warm_up(graphed: List[_GraphedCallable], iters: int, allow_unused: bool) -> None:
+def _warm_up(graphed: List[_GraphedCallable], iters: int, allow_unused: bool,
+             pre_hook=None, post_hook=None) -> None:
     """Eager iterations on a side stream (allocations, autotuning, FP8 state creation),
-    then every FP8 state they changed, and the RNG states they drew from, put back."""
+    each every forward in order and then the backwards in reverse, as the capture
+    runs; then every FP8 state they changed, and the RNG states they drew from, put
+    back."""
     restorer = _StateRestorer()
     caching = any(g.setting.weight_caching for g in graphed)
     if caching:         # the warm-up casts afresh and makes the caches the graphs select from
@@ -343,12 +422,22 @@ def _warm_up(graphed: List[_GraphedCallable], iters: int, allow_unused: bool) ->
         with torch.cuda.stream(stream), observe_registrations(restorer.observe), \
                 rng_states_restored(torch.device("cuda", torch.cuda.current_device())), \
                 (graph_warm_up() if caching else contextlib.nullcontext()):
+            if pre_hook is not None:
+                pre_hook()
             for _ in range(iters):
+                outputs = []
                 for g in graphed:
+                    g.hook("forward_pre_hooks")
                     leaves, _ = flatten_nested(g.run_forward())
-                    outs = [t for t in leaves if torch.is_tensor(t) and t.requires_grad]
+                    g.hook("forward_hooks")
+                    outputs.append([t for t in leaves if torch.is_tensor(t) and t.requires_grad])
+                for g, outs in reversed(list(zip(graphed, outputs))):
+                    g.hook("backward_pre_hooks")
                     _backward(outs, g.grad_inputs, [torch.ones_like(o) for o in outs],
                               allow_unused, False)
+                    g.hook("backward_hooks")
+            if post_hook is not None:
+                post_hook()
     finally:
         torch.cuda.current_stream().wait_stream(stream)
         restorer.restore()

@@ -10,7 +10,8 @@ import torch
 
 from .utils import check_process_group
 
-__all__ = ["UNSET", "API", "resolve", "check_group", "normalize", "check_devices"]
+__all__ = ["UNSET", "API", "resolve", "check_group", "normalize", "check_devices",
+           "check_capture_time_hooks", "run_hooks", "default_order", "HOOK_NAMES"]
 
 UNSET = object()
 API = "te.make_graphed_callables"
@@ -44,30 +45,99 @@ def check_group(group) -> None:
 
 
 def normalize(modules, sample_args, sample_kwargs):
+    """``(single, callables, args, kwargs)``: the callables as a tuple, each one's
+    sample arguments as a tuple of tensors (TE takes them as a tuple or a list) and
+    its keyword arguments as a dict."""
     single = not isinstance(modules, tuple)
     callables = (modules,) if single else modules
     args = (sample_args,) if single else sample_args
-    if not isinstance(args, tuple) or len(args) != len(callables):
-        raise ValueError(f"{API}: sample_args must hold one tuple of tensors per callable "
-                         f"({len(callables)}), got {type(sample_args).__name__}")
+    if not isinstance(args, (tuple, list)) or len(args) != len(callables):
+        raise ValueError(f"{API}: sample_args must hold one tuple (or list) of tensors per "
+                         f"callable ({len(callables)}), got {type(sample_args).__name__}"
+                         + ("" if not isinstance(args, (tuple, list)) else f" of {len(args)}"))
     if sample_kwargs is None:
         kwargs = tuple({} for _ in callables)
     else:
         kwargs = (sample_kwargs,) if single else sample_kwargs
-        if not (isinstance(kwargs, tuple) and len(kwargs) == len(callables)
+        if not (isinstance(kwargs, (tuple, list)) and len(kwargs) == len(callables)
                 and all(isinstance(k, dict) for k in kwargs)):
             raise ValueError(f"{API}: sample_kwargs must hold one dict per callable, "
                              f"got {type(sample_kwargs).__name__}")
     for i, (fn, a, k) in enumerate(zip(callables, args, kwargs)):
         if not callable(fn):
             raise TypeError(f"{API}: callable {i} is not callable: {type(fn).__name__}")
-        if not isinstance(a, tuple) or not all(torch.is_tensor(t) for t in a):
-            raise TypeError(f"{API}: sample_args[{i}] must be a tuple of tensors, got "
-                            f"{[type(t).__name__ for t in a] if isinstance(a, tuple) else a!r}")
+        if not isinstance(a, (tuple, list)) or not all(torch.is_tensor(t) for t in a):
+            raise TypeError(f"{API}: sample_args[{i}] must be a tuple or list of tensors, got "
+                            f"{[type(t).__name__ for t in a] if isinstance(a, (tuple, list)) else a!r}")
         bad = [name for name, v in k.items() if not torch.is_tensor(v)]
         if bad:
             raise TypeError(f"{API}: sample_kwargs[{i}] values must be tensors; {bad} are not")
-    return single, callables, args, kwargs
+    return single, callables, tuple(tuple(a) for a in args), tuple(kwargs)
+
+
+HOOK_NAMES = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+
+def check_capture_time_hooks(hooks, count: int):
+    """TE's ``capture_time_hooks``: None, or one entry per callable (None or a dict from
+    some of `HOOK_NAMES` to ``{hook_id: hook(module)}``); each callable's four dicts."""
+    if hooks is None:
+        hooks = [None] * count
+    if not isinstance(hooks, (list, tuple)) or len(hooks) != count:
+        raise ValueError(f"{API}: capture_time_hooks must hold one entry per callable ({count}), "
+                         f"got {hooks!r}")
+    found = []
+    for i, entry in enumerate(hooks):
+        entry = {} if entry is None else entry
+        if not isinstance(entry, dict):
+            raise TypeError(f"{API}: capture_time_hooks[{i}] must be None or a dict, "
+                            f"got {type(entry).__name__}")
+        unexpected = set(entry) - set(HOOK_NAMES)
+        if unexpected:
+            raise ValueError(f"{API}: capture_time_hooks[{i}] has unexpected keys "
+                             f"{sorted(unexpected)}; the keys are {list(HOOK_NAMES)}")
+        per_name = {}
+        for name in HOOK_NAMES:
+            group = entry.get(name, {})
+            if not isinstance(group, dict) or not all(callable(h) for h in group.values()):
+                raise TypeError(f"{API}: capture_time_hooks[{i}][{name!r}] must be a dict of "
+                                "hook_id -> hook(module)")
+            per_name[name] = group
+        found.append(per_name)
+    return found
+
+
+def run_hooks(hooks, index: int, name: str, fn) -> None:
+    """Run callable ``index``'s ``name`` capture-time hooks on it (outside any capture)."""
+    for hook in hooks[index][name].values():
+        if hook(fn) is not None:
+            raise RuntimeError(f"{API}: capture_time_hooks {name} must not return a value "
+                               f"(callable {index})")
+
+
+def default_order(order, num_layers_per_chunk, count: int) -> None:
+    """TE's ``_order`` (Megatron's pipeline schedule) is taken where it spells the
+    default schedule: C model chunks of ``count / C`` callables each, one micro-batch,
+    ``[1, ..., C, -C, ..., -1]`` (every forward in order, then the backwards in
+    reverse). Any other schedule is not implemented."""
+    if order is None:
+        if num_layers_per_chunk is not None:
+            raise ValueError(f"{API}: _num_layers_per_chunk is only used with _order")
+        return
+    chunks = max(order) if order and all(isinstance(c, int) for c in order) else 0
+    if (chunks <= 0 or list(order) != list(range(1, chunks + 1)) + list(range(-chunks, 0))
+            or count % chunks):
+        raise NotImplementedError(f"{API}: _order={order!r} is not implemented: only the "
+                                  "default schedule [1, ..., C, -C, ..., -1] (one micro-batch, "
+                                  "the callables split evenly into C chunks) is")
+    per_chunk = count // chunks
+    if num_layers_per_chunk is not None:
+        layers = ([num_layers_per_chunk] * chunks if isinstance(num_layers_per_chunk, int)
+                  else list(num_layers_per_chunk))
+        if layers != [per_chunk] * chunks:
+            raise NotImplementedError(f"{API}: _num_layers_per_chunk={num_layers_per_chunk!r} "
+                                      f"is not implemented: only {per_chunk} per chunk for "
+                                      f"{count} callables in {chunks} chunks")
 
 
 def check_devices(callables, args, kwargs) -> None:

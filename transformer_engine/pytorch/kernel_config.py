@@ -7,14 +7,21 @@ NOTE [Kernel selection]
     FP8 copy, and one launch updates all states of a delayed-scaling update (NOTE
     [Fused casts] in quantize.py); otherwise the torch reference ops run. Both compute
     the same bits. ``direct_launch`` calls the compiled Triton kernels' launchers
-    directly (NOTE [Launch overhead] in triton_launch.py), only on the Triton
+    directly (NOTE [Launch overhead] in kernels/launch.py), only on the Triton
     versions that interface was checked on; elsewhere every launch goes through the
-    JIT. CPU: ``cpu_gemm`` picks the FP8 GEMM (NOTE [CPU FP8 GEMM]). Block scaling:
+    JIT. ``fused_producers``: a normalization or activation that feeds an FP8 GEMM
+    writes the FP8 copy of its output and its amax in its own kernel (NOTE [Fused
+    producers] in module/fused_producers.py; needs ``fused`` too). ``interpret``: CPU
+    tensors take the Triton kernels too, run by the Triton interpreter (set
+    ``TRITON_INTERPRET=1`` before Triton is imported): for testing the kernels and
+    their wiring without a GPU, not for use. CPU: ``cpu_gemm`` picks the FP8 GEMM
+    (NOTE [CPU FP8 GEMM]). Block scaling:
     ``block_gemm`` "hardware" runs its GEMMs on Hopper through ``torch._scaled_mm``'s
     blockwise scales where the shapes allow, "emulation" always emulates them (NOTE
     [Block scaling layout] in block_scaling.py).
 
     Environment, read once: ``NVTE_FUSED_FP8_KERNELS=0`` turns the fused kernels off;
+    ``NVTE_FUSED_PRODUCERS=0`` the fused producers only;
     ``NVTE_CPU_FP8_GEMM=scaled_mm`` selects ``torch._scaled_mm`` on the CPU;
     ``NVTE_BLOCK_FP8_GEMM=emulation`` turns the Hopper block-scaled GEMM off.
 """
@@ -45,6 +52,10 @@ class KernelConfig:
         CUDA: Triton kernels for the casts, amaxes and the delayed-scaling update.
     direct_launch : bool, default True
         CUDA: launch compiled Triton kernels directly where the Triton version allows.
+    fused_producers : bool, default True
+        CUDA: normalizations and activations write their FP8 outputs themselves.
+    interpret : bool, default False
+        Run the Triton kernels on CPU tensors through the Triton interpreter (tests).
     cpu_gemm : "upcast" | "scaled_mm", default "upcast"
         The CPU FP8 GEMM.
     block_gemm : "hardware" | "emulation", default "hardware"
@@ -53,11 +64,13 @@ class KernelConfig:
 
     fused: bool = True
     direct_launch: bool = True
+    fused_producers: bool = True
+    interpret: bool = False
     cpu_gemm: str = "upcast"
     block_gemm: str = "hardware"
 
     def __post_init__(self):
-        for name in ("fused", "direct_launch"):
+        for name in ("fused", "direct_launch", "fused_producers", "interpret"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"KernelConfig: {name} must be a bool, "
                                 f"got {getattr(self, name)!r}")
@@ -70,10 +83,14 @@ class KernelConfig:
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "KernelConfig":
-        fused = environ.get("NVTE_FUSED_FP8_KERNELS", "1")
-        if fused not in _SWITCHES:
-            raise ValueError(f"NVTE_FUSED_FP8_KERNELS must be 0 or 1, got {fused!r}")
-        return cls(fused=_SWITCHES[fused],
+        switches = {}
+        for field, name in (("fused", "NVTE_FUSED_FP8_KERNELS"),
+                            ("fused_producers", "NVTE_FUSED_PRODUCERS")):
+            value = environ.get(name, "1")
+            if value not in _SWITCHES:
+                raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+            switches[field] = _SWITCHES[value]
+        return cls(**switches,
                    cpu_gemm=environ.get("NVTE_CPU_FP8_GEMM", "upcast"),
                    block_gemm=environ.get("NVTE_BLOCK_FP8_GEMM", "hardware"))
 

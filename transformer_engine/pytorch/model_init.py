@@ -62,11 +62,10 @@ def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
     checked = None
     if enabled:
         checked = validated_copy(recipe if recipe is not None else DelayedScaling())
-        if not (checked.delayed() or checked.float8_current_scaling()):
+        if not checked.implemented():
             raise NotImplementedError(
                 f"{api}(enabled=True, recipe={type(checked).__name__}): FP8 primary weights are "
-                "implemented for DelayedScaling and Float8CurrentScaling (per-tensor scales) "
-                "only")
+                "implemented for DelayedScaling, Float8CurrentScaling and Float8BlockScaling")
     return _model_init_entered(_ModelInitState(checked,
                                                enabled and preserve_high_precision_init_val))
 
@@ -76,15 +75,15 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """Context in which TE modules are built with FP8 primary weights.
 
     With ``enabled=True`` the GEMM weights of the TE modules constructed inside are
-    `Float8Tensor` parameters, quantized with ``recipe`` (``DelayedScaling()`` when
-    None; DelayedScaling or Float8CurrentScaling), and no high-precision copy is
-    kept; the biases and norm parameters stay in high precision (NOTE [FP8 primary
-    weights] in module/fp8_params.py). ``preserve_high_precision_init_val=True``
-    keeps each weight's initial value on the CPU, read by the weight's
-    ``get_high_precision_init_val()`` (to seed an optimizer's master weights) and
-    dropped by ``clear_high_precision_init_val()``. ``enabled=False``: modules are
-    built as usual. Arguments are checked when called; the state is per thread and
-    put back on exit.
+    quantized parameters made with ``recipe`` (``DelayedScaling()`` when None):
+    `Float8Tensor` for DelayedScaling and Float8CurrentScaling, `Float8BlockwiseQTensor`
+    for Float8BlockScaling; no high-precision copy is kept; the biases and norm
+    parameters stay in high precision (NOTE [FP8 primary weights] in
+    module/fp8_params.py). ``preserve_high_precision_init_val=True`` keeps each weight's
+    initial value on the CPU, read by the weight's ``get_high_precision_init_val()`` (to
+    seed an optimizer's master weights) and dropped by
+    ``clear_high_precision_init_val()``. ``enabled=False``: modules are built as usual.
+    Arguments are checked when called; the state is per thread and put back on exit.
     """
     return _model_init("te.quantized_model_init", enabled, recipe,
                        preserve_high_precision_init_val)

@@ -6,11 +6,14 @@ use and *where* an amax is recorded, the module files decide *what* is cast.
 
 NOTE [Fused casts]
     On CUDA, when Triton imports and the fused kernels are on (NOTE [Kernel
-    selection] in kernel_config.py), `amax`, `cast_to_fp8`, `cast_transpose_to_fp8`
-    and `delayed_scaling_update_` run the kernels of `triton_kernels.py`: one pass over
-    a tensor folds its amax into the amax-history slot, casts it with the delayed
-    scale, writes ``scale_inv`` and, for the backward GEMMs, the transposed FP8 copy
-    too; one launch updates the delayed-scaling state of all modules of an update.
+    selection] in kernel_config.py), `amax`, `cast_to_fp8`, `cast_transpose_to_fp8`,
+    `current_scaling_cast` and `delayed_scaling_update_` run the kernels of
+    `kernels/casts.py`: one pass over a tensor folds its amax into the amax-history
+    slot, casts it with the delayed scale, writes ``scale_inv`` and, for the backward
+    GEMMs, the transposed FP8 copy too; current scaling takes two launches (the amax,
+    then the scale and the cast), with no host synchronisation; one launch updates the
+    delayed-scaling state of all modules of an update. A cast's outputs come from one
+    allocation (two when both FP8 copies are made: `kernels.common.cast_outputs`).
     Otherwise (CPU, no Triton, or switched off) the torch reference ops below run.
     Both compute the same bits; tests/pytorch/test_triton_kernels.py checks it on a
     GPU. The CPU path never imports Triton.
@@ -43,6 +46,7 @@ NOTE [GEMM vocabulary]
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -65,20 +69,25 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ---- dispatch to the fused kernels (NOTE [Fused casts]) ---------------------------
-_kernels_module = None      # triton_kernels once loaded; False when Triton is missing
+_kernels_module = None      # kernels.casts once loaded; False when Triton is missing
+# whether Triton's interpreter may run kernels on CPU tensors (read once: the CPU path
+# pays nothing for KernelConfig.interpret when it cannot apply)
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES):
-    """The Triton kernels module if ``x`` (of one of ``dtypes``) should take the fused
-    path, else None."""
+    """The Triton cast kernels module (`kernels.casts`) if ``x`` (of one of ``dtypes``)
+    should take the fused path, else None. CPU tensors take it only under
+    ``KernelConfig.interpret`` (tests without a GPU)."""
     global _kernels_module
-    if not (x.is_cuda and x.dtype in dtypes and x.numel() > 0
-            and get_kernel_config().fused) or torch.compiler.is_compiling():
+    if not ((x.is_cuda or (_INTERPRETER and get_kernel_config().interpret))
+            and x.dtype in dtypes and x.numel() > 0 and get_kernel_config().fused) \
+            or torch.compiler.is_compiling():
         return None         # compiled: the reference ops, for Inductor (NOTE [torch.compile])
     if _kernels_module is None:
         try:
-            from . import triton_kernels
-            _kernels_module = triton_kernels if triton_kernels.AVAILABLE else False
+            from .kernels import casts
+            _kernels_module = casts if casts.AVAILABLE else False
         except ImportError:
             _kernels_module = False
     return _kernels_module or None
@@ -252,7 +261,14 @@ def current_scaling_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: boo
                          amax_epsilon: float, non_finite: Optional[torch.Tensor],
                          data: bool = True, transpose: bool = False):
     """`cast_transpose_unchecked` of a 2-D ``x`` with current scaling (`current_scale`
-    of its own amax); non-finite amaxes add to ``non_finite``."""
+    of its own amax); non-finite amaxes add to ``non_finite``. On CUDA two launches
+    (NOTE [Fused casts])."""
+    kernels = fused_kernels(x)
+    if kernels is not None:
+        q, q_t, scale_inv = kernels.current_cast(x, dtype, power_2_scale, amax_epsilon,
+                                                 non_finite, data, transpose)
+        return (Float8Data(q, scale_inv) if data else None,
+                Float8Data(q_t, scale_inv) if transpose else None)
     scale = current_scale(amax(x), dtype, power_2_scale, amax_epsilon, non_finite=non_finite)
     return cast_transpose_unchecked(x, scale, dtype, 0, None, data, transpose)
 

@@ -199,7 +199,8 @@ class RecomputePosition:
     """Where one thread stands: in a recompute region (either phase), in the
     recompute phase, the checkpoint calls it is inside (``(frame, recomputing)``,
     innermost last), and whether a forward under ``no_grad`` still counts as training
-    (the reentrant phase 1 of a call made with grad enabled)."""
+    (the first forward of a client checkpoint, which runs it under ``no_grad``:
+    ``activation_recompute_forward`` in distributed.py)."""
 
     region: bool = False
     phase: bool = False
@@ -237,7 +238,9 @@ def in_phase() -> bool:
 
 def is_training_forward() -> bool:
     """Whether a forward running now counts as training (records amaxes, updates
-    scales): grad enabled, or the reentrant phase 1 of a call made with grad enabled."""
+    scales): grad enabled where it runs (a reentrant phase 1 runs under the call site's
+    grad mode: NOTE [Reentrant phase 1] in checkpoint_modes.py), or inside a client
+    checkpoint's first forward."""
     return torch.is_grad_enabled() or _THREAD.position.training_under_no_grad
 
 

@@ -27,9 +27,11 @@ import torch
 from . import recompute
 
 __all__ = ["CudaRNGStatesTracker", "RngSnapshot", "check_dropout_replayable",
-           "tracker_generators", "graph_capture", "active_graph_capture", "rng_states_restored"]
+           "tracker_generators", "get_all_rng_states", "graph_capture", "active_graph_capture",
+           "rng_states_restored"]
 
 _LIVE_TRACKERS: "weakref.WeakSet[CudaRNGStatesTracker]" = weakref.WeakSet()
+_LATEST_STATES: Dict[str, torch.Generator] = {}   # see get_all_rng_states
 
 
 def _tracker_device() -> torch.device:
@@ -91,6 +93,7 @@ class CudaRNGStatesTracker:
             gen.set_state(state)
             kept[name] = gen
         self.states_ = kept
+        _set_latest_states(self.states_)
 
     def add(self, name: str, seed: int) -> None:
         if name in self.states_:
@@ -101,6 +104,7 @@ class CudaRNGStatesTracker:
         gen = torch.Generator(device=self._generator_device())
         gen.manual_seed(seed)
         self.states_[name] = gen
+        _set_latest_states(self.states_)
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
@@ -133,6 +137,20 @@ def _copied_in(default: torch.Generator, gen: torch.Generator):
     finally:
         gen.set_state(default.get_state())
         default.set_state(outside)
+
+
+def _set_latest_states(states: Dict[str, torch.Generator]) -> None:
+    global _LATEST_STATES
+    _LATEST_STATES = states
+
+
+def get_all_rng_states() -> Dict[str, torch.Generator]:
+    """The named states of the tracker that last added or set its states, as TE's
+    ``transformer_engine.pytorch.distributed.get_all_rng_states`` gives them: the
+    tracker's own dict of name -> ``torch.Generator`` (not copies), process-wide as in TE.
+    Megatron-LM reads it through its TE RNG tracker to register the generators with the
+    CUDA graphs it captures."""
+    return _LATEST_STATES
 
 
 def tracker_generators(device: torch.device) -> List[torch.Generator]:

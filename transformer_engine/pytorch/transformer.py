@@ -86,7 +86,9 @@ class TransformerLayer(torch.nn.Module):
     layer_type : "encoder" | "decoder", default "encoder"
     drop_path_rate : float, default 0.0
         Stochastic depth: drop each sample's block output with this probability
-        (training mode only), scaling the kept ones by ``1 / (1 - rate)``.
+        (training mode only), scaling the kept ones by ``1 / (1 - rate)``. At 1.0
+        every block output is dropped (the layer passes its residuals through, with
+        zero gradients into the blocks), where TE's formula divides 0 by 0.
     fuse_qkv_params : bool, default False
         One QKV weight instead of ``query_weight`` / ``key_weight`` / ``value_weight``
         (NOTE [QKV parameter layouts] in multi_head_attention.py).
@@ -136,7 +138,8 @@ class TransformerLayer(torch.nn.Module):
         self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
         check_positive_int(api, "ffn_hidden_size", ffn_hidden_size)
         self.hidden_dropout = check_dropout(api, "hidden_dropout", hidden_dropout)
-        self.drop_path_rate = check_dropout(api, "drop_path_rate", drop_path_rate)
+        self.drop_path_rate = check_dropout(api, "drop_path_rate", drop_path_rate,
+                                            allow_one=True)
         check_eps(api, layernorm_epsilon, "layernorm_epsilon")
         check_normalization(api, normalization)
         self.attn_input_format = check_choice(api, "attn_input_format", attn_input_format,
@@ -244,8 +247,11 @@ class TransformerLayer(torch.nn.Module):
             b_dim = 1 if self.attn_input_format == "sbhd" else 0
             shape = [1] * x.dim()
             shape[b_dim] = x.shape[b_dim]
-            mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
-            x = x * mask / keep
+            if keep == 0.0:                                   # every sample dropped
+                x = x.masked_fill(torch.ones(shape, dtype=torch.bool, device=x.device), 0.0)
+            else:
+                mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+                x = x * mask / keep
         return residual + x
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,

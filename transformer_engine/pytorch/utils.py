@@ -1,11 +1,13 @@
 """Helpers shared across the package: the argument checks of the public modules
-(each raises with the calling API's name and the value it got), and nested-structure
-flattening for checkpointed and graphed callables' outputs."""
+(each raises with the calling API's name and the value it got), nested-structure
+flattening for checkpointed and graphed callables' outputs, and the helpers TE's
+``transformer_engine.pytorch.utils`` offers its users (initializers, the attention
+mask function, device queries)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple, Union
 
 import torch
 
@@ -14,7 +16,9 @@ __all__ = ["flatten_nested", "rebuild_nested", "NORMALIZATIONS", "PARAM_DTYPES",
            "check_params_dtype", "check_input_dtype", "check_choice", "check_dropout",
            "check_hidden_states_dtype", "check_process_group", "check_bool",
            "check_optional_positive_int",
-           "reject_unsupported", "UNSUPPORTED_DOC"]
+           "reject_unsupported", "UNSUPPORTED_DOC", "init_method_normal",
+           "scaled_init_method_normal", "attention_mask_func", "get_device_compute_capability",
+           "is_bf16_compatible", "is_bf16_available", "is_non_tn_fp8_gemm_supported"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,9 +110,12 @@ def check_choice(api: str, name: str, value, choices) -> str:
     return value
 
 
-def check_dropout(api: str, name: str, p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"{api}: {name} must be a float in [0, 1), got {p!r}")
+def check_dropout(api: str, name: str, p, allow_one: bool = False) -> float:
+    """A probability in [0, 1) (or [0, 1] with ``allow_one``)."""
+    if (isinstance(p, bool) or not isinstance(p, (int, float))
+            or not (0.0 <= p <= 1.0 if allow_one else 0.0 <= p < 1.0)):
+        raise ValueError(f"{api}: {name} must be a float in [0, {1 if allow_one else '1)'}"
+                         f"{']' if allow_one else ''}, got {p!r}")
     return float(p)
 
 
@@ -168,3 +175,52 @@ def rebuild_nested(leaves: list, spec):
         items.append(rebuild_nested(leaves[start:start + count], sub))
         start += count
     return kind(items)
+
+
+# ---- TE's public helpers -------------------------------------------------------------------
+
+def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An initializer drawing from N(0, sigma)."""
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.Tensor],
+                                                                           torch.Tensor]:
+    """An initializer drawing from N(0, sigma / sqrt(2 num_layers)) (output layers)."""
+    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+def attention_mask_func(attention_scores: torch.Tensor,
+                        attention_mask: torch.Tensor) -> torch.Tensor:
+    """Fill the masked (True) scores with -10000, in place, and return them."""
+    return attention_scores.masked_fill_(attention_mask, -10000.0)
+
+
+def get_device_compute_capability() -> Tuple[int, int]:
+    """The current CUDA device's compute capability; ``(0, 0)`` without CUDA (this
+    package also runs on the CPU, where TE would fail)."""
+    if not torch.cuda.is_available():
+        return (0, 0)
+    return tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))
+
+
+def is_bf16_compatible() -> bool:
+    """bfloat16 compute: on CUDA from compute capability 8.0; always on the CPU."""
+    return not torch.cuda.is_available() or get_device_compute_capability()[0] >= 8
+
+
+def is_bf16_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
+    """`is_bf16_compatible`; with ``return_reason``, ``(available, reason)``."""
+    ok = is_bf16_compatible()
+    if not return_reason:
+        return ok
+    return ok, "" if ok else "bfloat16 needs compute capability 8.0 or newer"
+
+
+def is_non_tn_fp8_gemm_supported() -> bool:
+    """Whether FP8 GEMMs take operands in other layouts than TN (Blackwell, as TE
+    decides it); False on Hopper and without CUDA."""
+    cc = get_device_compute_capability()
+    return (10, 0) <= cc < (12, 0) or cc >= (13, 0)

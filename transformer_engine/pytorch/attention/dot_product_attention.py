@@ -21,7 +21,7 @@ from ..utils import check_process_group
 from ..utils import (check_bool, check_choice, check_dropout, check_optional_positive_int,
                      check_positive_int, reject_unsupported)
 from .masks import (CoreMask, build_core_mask, canonical_mask_type, causal_kind,
-                    check_window_size)
+                    check_window_size, reads_attention_mask)
 from .packed import packed_layout
 
 __all__ = ["DotProductAttention", "QKV_FORMATS", "BIAS_TYPES"]
@@ -319,7 +319,8 @@ class DotProductAttention(torch.nn.Module):
             t is not None and t.requires_grad
             for t in (query_layer, key_layer, value_layer, bias))
         if fmt == "thd":
-            if attention_mask is not None or mask_type == "arbitrary":
+            if (attention_mask is not None and reads_attention_mask(mask_type)) \
+                    or mask_type == "arbitrary":
                 raise ValueError(f"{api}: qkv_format='thd' takes its padding from cu_seqlens_q/kv; "
                                  "pass no attention_mask and no 'arbitrary' mask type")
             layout = packed_layout(api, query_layer.shape[0], key_layer.shape[0], cu_seqlens_q,

@@ -14,14 +14,25 @@ NOTE [Attention masks]
                    diagonal ends at the bottom right (KV-cache inference), with each
                    sequence's actual lengths.
     arbitrary      ``attention_mask`` broadcastable to ``[b, h, s_q, s_kv]``.
+
+    ``attention_mask`` is read only by the padding types and "arbitrary"; with
+    "no_mask", "causal" and "causal_bottom_right" it is ignored, unchecked and
+    without a warning, as TE's FlashAttention and FusedAttention backends (its
+    defaults on Hopper) ignore it. (TE's unfused fallback alone ORs such a mask into
+    the causal ones; a caller that wants a mask applied says so with "arbitrary".)
     window_size    ``(left, right)``, -1 for unbounded: query ``i`` sees keys
                    ``i + off - left <= j <= i + off + right`` with ``off = 0`` for the
                    top-left causal types and ``len_kv - len_q`` for all others (TE's
                    definition), intersected with the mask type's own rule.
 
     A query row left with no key (bottom-right causal with more queries than keys,
-    a window past the keys) outputs 0 with zero gradients: its row is opened for the
-    kernel and its output zeroed, so no backend ever sees an empty softmax.
+    a window past the keys, an arbitrary mask that masks a whole row) outputs 0 with
+    zero gradients: its row is opened for the kernel and its output zeroed, so no
+    backend ever sees an empty softmax. This is done on the device for every built
+    mask, whether or not a row is empty: building a mask reads nothing back to the
+    host, so a CUDA graph can capture it (``te.make_graphed_callables`` with an
+    ``attention_mask`` in ``sample_kwargs``). ``cu_seqlens`` are checked on the host
+    (their lengths), except while a graph is captured.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = ["MASK_TYPES", "canonical_mask_type", "check_window_size", "CoreMask",
-           "build_core_mask", "causal_kind"]
+           "build_core_mask", "causal_kind", "reads_attention_mask"]
 
 MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
               "padding_causal_bottom_right", "arbitrary")
@@ -60,6 +71,12 @@ def check_window_size(api: str, window_size) -> Optional[Tuple[int, int]]:
         raise ValueError(f"{api}: window_size must be None or a pair (left, right) of ints >= -1 "
                          f"(-1 = unbounded), got {window_size!r}")
     return (int(window_size[0]), int(window_size[1]))
+
+
+def reads_attention_mask(mask_type: str) -> bool:
+    """Whether ``attention_mask`` means anything to this mask type (NOTE [Attention
+    masks]): the padding types and "arbitrary"."""
+    return mask_type.startswith("padding") or mask_type == "arbitrary"
 
 
 def causal_kind(mask_type: str) -> Optional[str]:
@@ -104,7 +121,8 @@ def _lengths_keep(api: str, cu_seqlens, batch: int, seq: int, which: str,
         raise ValueError(f"{api}: cu_seqlens_{which} must be a 1-D integer tensor of length "
                          f"batch + 1 = {batch + 1}, got {got}")
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
-    if bool((lens < 0).any()) or bool((lens > seq).any()):
+    capturing = lens.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and (bool((lens < 0).any()) or bool((lens > seq).any())):
         raise ValueError(f"{api}: cu_seqlens_{which} must give lengths in [0, {seq}], got "
                          f"{lens.tolist()}")
     return torch.arange(seq, device=device).reshape(1, seq) < lens.reshape(batch, 1)
@@ -140,9 +158,8 @@ def build_core_mask(api: str, mask_type: str, window: Optional[Tuple[int, int]],
     the boolean mask even where SDPA's ``is_causal`` would do (a bias is added to it)."""
     padding = mask_type.startswith("padding")
     causal = causal_kind(mask_type)
-    if not padding and mask_type != "arbitrary" and attention_mask is not None:
-        raise ValueError(f"{api}: attn_mask_type={mask_type!r} takes no attention_mask; use "
-                         "'padding', 'padding_causal' or 'arbitrary' to pass one")
+    if not reads_attention_mask(mask_type):
+        attention_mask = None
     unbounded = window is None or window == (-1, -1) or (causal and window[0] == -1)
     if mask_type in ("no_mask", "causal", "causal_bottom_right") and unbounded and not explicit:
         if mask_type == "no_mask":
@@ -173,11 +190,12 @@ def build_core_mask(api: str, mask_type: str, window: Optional[Tuple[int, int]],
             allowed = allowed & (j <= i + off + right)
     if mask_type == "arbitrary":
         allowed = allowed & ~_arbitrary(api, attention_mask, batch, heads, sq, skv, device)
+    # rows with no key are opened and their output zeroed, on the device: no host read
+    # of the mask (a CUDA graph captures this, NOTE [Attention masks])
     row_open = allowed.any(-1, keepdim=True)
     out_keep = None if q_keep is None else q_keep.reshape(batch, 1, sq, 1)
-    if not bool(row_open.all()):
-        allowed = allowed | ~row_open
-        out_keep = row_open if out_keep is None else out_keep & row_open
+    allowed = allowed | ~row_open
+    out_keep = row_open if out_keep is None else out_keep & row_open
     return CoreMask(allowed, False, out_keep)
 
 

@@ -26,6 +26,7 @@ from ..fp8 import FP8GlobalStateManager
 from ..module.layernorm import LayerNorm, RMSNorm
 from ..module.layernorm_linear import LayerNormLinear, pack_outputs
 from ..module.linear import Linear
+from ..ops.basic.l2normalization import L2Normalization
 from ..utils import (check_bool, check_choice, check_eps, check_hidden_states_dtype,
                      check_optional_positive_int, check_params_dtype, check_positive_int,
                      reject_unsupported)
@@ -35,7 +36,7 @@ from .rope import apply_rotary_pos_emb
 
 __all__ = ["MultiheadAttention", "QK_NORM_TYPES"]
 
-QK_NORM_TYPES = (None, "RMSNorm", "LayerNorm")
+QK_NORM_TYPES = (None, "L2Normalization", "RMSNorm", "LayerNorm")
 _UB = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
 
 
@@ -84,16 +85,17 @@ class MultiheadAttention(torch.nn.Module):
         Layout of ``hidden_states``: ``[s, b, hidden]``, ``[b, s, hidden]`` or
         packed ``[tokens, hidden]`` (with ``cu_seqlens_q/kv`` in forward).
     name : str, optional
-    qk_norm_type : None | "RMSNorm" | "LayerNorm", optional
+    qk_norm_type : None | "L2Normalization" | "RMSNorm" | "LayerNorm", optional
         Normalize each query and key head (``q_norm`` / ``k_norm`` over the head
         size), after the rotary embedding unless ``qk_norm_before_rope``.
+        "L2Normalization" is parameter-free: ``q_norm`` and ``k_norm`` are one
+        ``te.ops.L2Normalization`` module, as in TE.
     qk_norm_eps : float, default 1e-6
     seq_length, micro_batch_size : int, optional
         TE's JIT warm-up hints: checked, no effect here.
     ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
     softmax_type
-        Not implemented: anything but the default raises ``NotImplementedError``
-        ("L2Normalization" as ``qk_norm_type`` too).
+        Not implemented: anything but the default raises ``NotImplementedError``.
 
     Returns
     -------
@@ -126,8 +128,6 @@ class MultiheadAttention(torch.nn.Module):
         ub = dict(zip(_UB, (ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad,
                             ub_bulk_wgrad)))
         reject_unsupported(api, **{k: (v, False) for k, v in ub.items()})
-        if qk_norm_type == "L2Normalization":
-            reject_unsupported(api, qk_norm_type=(qk_norm_type, None))
         check_choice(api, "qk_norm_type", qk_norm_type, QK_NORM_TYPES)
         self.hidden_size = check_positive_int(api, "hidden_size", hidden_size)
         heads = check_positive_int(api, "num_attention_heads", num_attention_heads)
@@ -194,6 +194,9 @@ class MultiheadAttention(torch.nn.Module):
         """``q_norm`` / ``k_norm`` over the head size (registered first, as in TE)."""
         if qk_norm_type is None:
             self.q_norm = self.k_norm = None
+            return
+        if qk_norm_type == "L2Normalization":
+            self.q_norm = self.k_norm = L2Normalization(eps=eps)
             return
         cls = RMSNorm if qk_norm_type == "RMSNorm" else LayerNorm
         self.q_norm = cls(kv_channels, eps=eps, device=device)

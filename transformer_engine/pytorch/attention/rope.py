@@ -16,7 +16,10 @@ NOTE [Rotary layouts]
     sequence of ``cu_seqlens``. With context parallelism (``cp_size > 1``) each rank
     holds two chunks of every sequence, chunks ``cp_rank`` and ``2 cp_size - 1 -
     cp_rank`` of its ``2 cp_size`` equal chunks (the load-balanced split), and its
-    tokens carry those chunks' positions.
+    tokens carry those chunks' positions; a local sequence of ``n`` tokens is a
+    global one of ``n * cp_size``. ``start_positions[b]`` shifts every position of
+    sequence ``b``, with or without context parallelism (as TE's kernels and its
+    unfused path do).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import torch
 from ..module.params import materialize_device
 from ..utils import check_choice, check_positive_int
 
-__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "ROPE_FORMATS"]
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb",
+           "ROPE_FORMATS"]
 
 ROPE_FORMATS = ("sbhd", "bshd", "thd")
 
@@ -138,20 +142,64 @@ def _int_from_scalar_tensor(value):
 
 def _rotate(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate the first ``angles.shape[-1]`` channels of ``t`` (angles broadcast to
-    ``t``'s leading dimensions), in float32."""
-    d2 = angles.shape[-1]
-    x = t[..., :d2].to(torch.float32)
-    cos, sin = torch.cos(angles), torch.sin(angles)
+    ``t``'s leading dimensions), in float32, through `_Rotation`."""
+    return _Rotation.apply(t, torch.cos(angles), torch.sin(angles), interleaved)
+
+
+def _turned(v: torch.Tensor, interleaved: bool, transpose: bool) -> torch.Tensor:
+    """``turn(v)``: each pair ``(a, b)`` becomes ``(-b, a)`` (pairs ``(2i, 2i+1)``
+    interleaved, ``(i, i + d2/2)`` otherwise); with ``transpose``, ``turn``'s
+    transpose ``(b, -a)``. One new tensor."""
+    out = torch.empty_like(v)
     if interleaved:
-        even, odd = x[..., 0::2], x[..., 1::2]
-        turned = torch.stack((-odd, even), dim=-1).flatten(-2)
+        lo, hi, o_lo, o_hi = v[..., 0::2], v[..., 1::2], out[..., 0::2], out[..., 1::2]
     else:
-        first, second = x.chunk(2, dim=-1)
-        turned = torch.cat((-second, first), dim=-1)
-    rotated = (x * cos + turned * sin).to(t.dtype)
+        half = v.shape[-1] // 2
+        lo, hi, o_lo, o_hi = v[..., :half], v[..., half:], out[..., :half], out[..., half:]
+    if transpose:
+        o_lo.copy_(hi)
+        torch.neg(lo, out=o_hi)
+    else:
+        torch.neg(hi, out=o_lo)
+        o_hi.copy_(lo)
+    return out
+
+
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+             transpose: bool = False) -> torch.Tensor:
+    """On the first ``d2`` channels of ``t``, in float32: ``x cos + turn(x) sin`` (or,
+    with ``transpose``, the transposed map ``x cos + turn^T(x sin)``, the gradient),
+    each product and the sum rounded once, then rounded to ``t``'s dtype; the other
+    channels pass through. Contiguous whatever ``t``'s strides (as TE's)."""
+    d2 = cos.shape[-1]
+    x = t[..., :d2].to(torch.float32)
+    out = x * cos
+    if transpose:
+        out.add_(_turned(x * sin, interleaved, transpose=True))
+    else:
+        out.add_(_turned(x, interleaved, transpose=False).mul_(sin))
+    rotated = out.to(t.dtype)
     if d2 == t.shape[-1]:
-        return rotated.contiguous()         # as TE's: contiguous whatever t's strides
+        return rotated.contiguous()
     return torch.cat((rotated, t[..., d2:]), dim=-1)
+
+
+class _Rotation(torch.autograd.Function):
+    """The rotation, saving only ``cos`` and ``sin`` (as TE's fused kernel does); the
+    backward applies the transposed map, exact also for angles that differ within a
+    pair (TE accepts any ``freqs``)."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin, interleaved):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotated(t, cos, sin, interleaved)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotated(grad, cos, sin, ctx.interleaved, transpose=True), None, None, None
 
 
 def _check_int_vector(api: str, name: str, t, length: Optional[int] = None) -> torch.Tensor:
@@ -175,8 +223,10 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
 
     ``start_positions`` (``[b]``): sequence ``b`` starts at that position (inference
     with a KV cache). ``cu_seqlens`` (``[b + 1]``, for ``thd``): the sequence
-    boundaries (``cu_seqlens_padded`` with context parallelism). ``fused`` is
-    accepted for TE compatibility; both ways compute the same float32 rotation.
+    boundaries (``cu_seqlens_padded`` with context parallelism: the global ones,
+    each a multiple of ``2 * cp_size``). ``cp_size`` / ``cp_rank``: ``t`` is this
+    rank's share of the load-balanced context-parallel split. ``fused`` is accepted
+    for TE compatibility; both ways compute the same float32 rotation.
     """
     api = "apply_rotary_pos_emb"
     check_choice(api, "tensor_format", tensor_format, ROPE_FORMATS)
@@ -194,8 +244,6 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     check_positive_int(api, "cp_size", cp_size)
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"{api}: cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
-    if cp_size > 1 and start_positions is not None:
-        raise ValueError(f"{api}: start_positions cannot be combined with cp_size > 1")
     angles_all = freqs.to(torch.float32)
     if tensor_format == "thd":
         return _apply_thd(api, t, angles_all, start_positions, interleaved, cu_seqlens,
@@ -251,3 +299,42 @@ def _apply_thd(api, t, angles_all, start_positions, interleaved, cu_seqlens, cp_
     angles = angles_all[:, 0, 0, :].index_select(0, pos).reshape(n, 1, -1).to(t.device)
     rotated = _rotate(t[:n], angles, interleaved)
     return rotated if n == t.shape[0] else torch.cat((rotated, t[n:]), dim=0)
+
+
+def apply_fused_qkv_rotary_pos_emb(qkv: torch.Tensor, q_freqs: torch.Tensor,
+                                   k_freqs: torch.Tensor, qkv_split_arg_list,
+                                   tensor_format: str = "sbhd",
+                                   start_positions: Optional[torch.Tensor] = None,
+                                   interleaved: bool = False,
+                                   cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
+                                   cp_rank: int = 0):
+    """Split ``qkv`` (``[s, b, h, q + k + v]`` or ``[b, s, h, q + k + v]``) into
+    queries, keys and values by ``qkv_split_arg_list = [q, k, v]`` and rotate the
+    queries by ``q_freqs`` and the keys by ``k_freqs`` (`apply_rotary_pos_emb`).
+
+    As TE's: the query part of each head is ``q / k`` heads of size ``k``, so the
+    outputs are ``[.., h * q / k, k]``, ``[.., h, k]`` and ``[.., h, v]`` (values
+    copied). ``cu_seqlens`` is accepted and unused (no ``thd``); ``start_positions``
+    cannot be combined with ``cp_size > 1``, as in TE.
+    """
+    api = "apply_fused_qkv_rotary_pos_emb"
+    check_choice(api, "tensor_format", tensor_format, ("sbhd", "bshd"))
+    if not torch.is_tensor(qkv) or qkv.dim() != 4:
+        got = tuple(qkv.shape) if torch.is_tensor(qkv) else type(qkv).__name__
+        raise ValueError(f"{api}: qkv must be a 4-D tensor ({tensor_format}), got {got}")
+    split = list(qkv_split_arg_list) if isinstance(qkv_split_arg_list, (list, tuple)) else None
+    if (split is None or len(split) != 3
+            or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in split)
+            or sum(split) != qkv.shape[-1] or split[0] % split[1]):
+        raise ValueError(f"{api}: qkv_split_arg_list must be three positive ints [q, k, v] "
+                         f"summing to qkv's last dimension {qkv.shape[-1]}, with q a multiple "
+                         f"of k, got {qkv_split_arg_list!r}")
+    if cp_size != 1 and start_positions is not None:
+        raise ValueError(f"{api}: start_positions cannot be combined with cp_size > 1 (TE "
+                         "supports it for inference only)")
+    q, k, v = qkv.split(split, dim=-1)
+    q = q.reshape(*q.shape[:2], q.shape[2] * (split[0] // split[1]), split[1])
+    rotate = dict(tensor_format=tensor_format, start_positions=start_positions,
+                  interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank)
+    return (apply_rotary_pos_emb(q, q_freqs, **rotate), apply_rotary_pos_emb(k, k_freqs, **rotate),
+            v.contiguous() if not v.is_contiguous() else v.clone())

@@ -4,6 +4,8 @@ that ties a module to the FP8 autocast and to activation recompute."""
 from __future__ import annotations
 
 import contextlib
+import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -11,16 +13,25 @@ import torch
 
 from ...common.recipe import DelayedScaling, Recipe
 from .. import amax_update, delayed_scaling, distributed, recompute, torch_compile
+from ..fp8 import RECOMPUTE_STASH_KEY, FP8GlobalStateManager
 from ..kernel_config import get_kernel_config
-from ..fp8 import FP8GlobalStateManager
 from ..model_init import model_init_state
 from ..scaling import ScalingState
-from ..tensor import Float8Tensor
+from ..tensor import Float8Tensor, QuantizedTensor
 from . import extra_state, fp8_params
 from .params import ParameterInitMixin
 
 __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
            "no_autocast"]
+
+
+# NOTE [Contiguous module inputs]
+#     Every TE module (the GEMM modules and the norms) makes its input contiguous
+#     before anything reads it, as TE's prepare_forward does. A strided input (a
+#     transposed view) would otherwise take other kernels (a GEMM with a transposed
+#     operand, a reduction in another order) and give other bits, in high precision
+#     and in FP8 alike; so a module's outputs and gradients never depend on its
+#     input's strides.
 
 
 def default_device(device) -> torch.device:
@@ -103,6 +114,14 @@ class _ForwardScope:
             FP8GlobalStateManager.restore_fp8_meta_tensors(self.swapped_meta)
 
 
+def _no_stash_swapped_in(module) -> recompute.RecomputeStateError:
+    return recompute.RecomputeStateError(
+        f"{module.named_api('te.' + type(module).__name__)}: the recompute found no FP8 stash in "
+        "fp8_meta after FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(fp8_meta); "
+        "a wrapper installed on that hook must call the original. Refusing to recompute with "
+        "the live (already updated) scales.")
+
+
 class TransformerEngineBaseModule(ParameterInitMixin):
     """Base of TE modules: owns ``fp8_meta`` (``"recipe"``, ``"scaling_fwd"``,
     ``"scaling_bwd"``) for its ``num_gemms`` GEMMs: forward tensors are
@@ -177,6 +196,29 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             state = self.fp8_meta["scaling_fwd"]
         return state
 
+    def _apply(self, fn, *args, **kwargs):
+        """``nn.Module._apply`` (``.to``, ``.half()``, ``.cuda()``, ``.cpu()``), keeping
+        what was attached to a quantized parameter. torch moves a tensor subclass with
+        ``torch.utils.swap_tensors``, which exchanges the parameter's whole
+        ``__dict__``: its FP8 data comes over, and everything set on it from outside
+        (``get_high_precision_init_val``, ``main_grad``, tensor-parallel marks) would
+        be left on the discarded tensor. Methods bound to the old tensor are bound to
+        the surviving one."""
+        kept = {name: (param, dict(param.__dict__)) for name, param in self._parameters.items()
+                if isinstance(param, QuantizedTensor)}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, (old, attrs) in kept.items():
+            new = self._parameters.get(name)
+            if new is None:
+                continue
+            for key, value in attrs.items():
+                if key in new.__dict__:
+                    continue            # the moved tensor's own state
+                if isinstance(value, types.MethodType) and value.__self__ is old:
+                    value = types.MethodType(value.__func__, new)
+                setattr(new, key, value)
+        return out
+
     def __setstate__(self, state) -> None:
         # pickling leaves a Float8Tensor's quantizer behind: bind this module's again
         super().__setstate__(state)
@@ -216,7 +258,14 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def _adopt_recipe(self, recipe: Recipe) -> None:
         """Keep the state (fresh if there is none); a history of another length than
         the recipe's is resized, keeping the scales and the most recent amaxes
-        (`delayed_scaling.resize_amax_history`), never discarded."""
+        (`delayed_scaling.resize_amax_history`), never discarded. A recipe of an
+        unrelated class (neither a subclass of the other) than the module's last one
+        warns, as TE's modules do when they rebuild their quantizers."""
+        old = self.fp8_meta["recipe"]
+        if old is not None and not (isinstance(recipe, type(old)) or isinstance(old, type(recipe))):
+            warnings.warn(f"{self.named_api(type(self).__name__)}: Recipe type changed from "
+                          f"{type(old).__name__} to {type(recipe).__name__}. This may affect "
+                          "model behavior.", UserWarning, stacklevel=4)
         self.fp8_meta["recipe"] = recipe
         self.fp8_meta["fp8_checkpoint"] = True
         if recipe.delayed():
@@ -268,6 +317,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                 "may not have. Checkpoint the compiled function with te.checkpoint instead, "
                 "or keep the region in high precision")
         torch_compile.check_compilable_recipe(recipe)
+        # (the FP8-weight recipe check of eager calls asks each weight's quantizer, which
+        # dynamo cannot: a mismatch shows in the eager calls and at the weights' writes)
         self.fp8, self.fp8_calibration = fp8, calibrating      # written, not read: no guard
         torch_compile.prepare_pending_modules(recipe)   # before this trace reads fp8_meta
         # written, not read: no guard on what the module held before
@@ -314,6 +365,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         if torch.compiler.is_compiling():
             return self._prepare_traced_forward(is_first_microbatch)
         fp8, calibrating, recipe = self._take_autocast_state()
+        if recipe is not None and self.fp8_weight_recipe is not None:
+            fp8_params.check_weight_recipes(self, recipe)
         plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
                            is_first_microbatch=is_first_microbatch)
         skip = FP8GlobalStateManager.get_skip_fp8_weight_update_tensor()
@@ -321,12 +374,16 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             plan.is_first_microbatch, plan.skip_weight_update = False, skip
         swapped = False
         if distributed.in_fp8_activation_recompute_phase():
+            plan.recomputing = True
             if fp8 and plan.delayed:
-                entry = FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)
-                plan.session, plan.stash, plan.recomputing = entry.session, entry, True
+                # the hooks return nothing (TE's signatures): the stash comes in fp8_meta
+                FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)
                 swapped = True
-            else:
-                plan.recomputing = True
+                entry = self.fp8_meta.get(RECOMPUTE_STASH_KEY)
+                if entry is None:
+                    FP8GlobalStateManager.restore_fp8_meta_tensors(self.fp8_meta)
+                    raise _no_stash_swapped_in(self)
+                plan.session, plan.stash = entry.session, entry
         elif plan.delayed:
             if recompute.is_training_forward():
                 plan.record_amax = True
@@ -334,8 +391,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                 if fp8:
                     plan.session = FP8GlobalStateManager.current_session()
             if distributed.is_fp8_activation_recompute_enabled():
-                plan.stash = FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(
-                    self.fp8_meta, plan.session)
+                FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(self.fp8_meta)
+                plan.stash = self.fp8_meta.pop(RECOMPUTE_STASH_KEY, None)
         if plan.delayed:
             plan.fwd_state = self.fp8_meta["scaling_fwd"]
         return _ForwardScope(plan, self.fp8_meta if swapped else None)
@@ -390,7 +447,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def get_extra_state(self) -> torch.Tensor:
         """The FP8 state (recipe, scales, amax histories) as a uint8 tensor in TE's
         layout, so that it travels in ``state_dict()`` (NOTE [FP8 extra state
-        payload])."""
+        payload]); an `ExtraStateTensor`, which ``torch.distributed.checkpoint`` loads
+        into a model of any FP8 state (NOTE [FP8 extra state in distributed
+        checkpoints])."""
         return extra_state.save_fp8_state(self.fp8_meta, self._fp8_layout())
 
     def _fp8_layout(self) -> extra_state.Layout:

@@ -9,7 +9,10 @@ NOTE [FP8 extra state payload]
     recipe               the recipe object, or None (no recipe yet, or one with a
                          callable algorithm, which is not saved: the autocast's recipe
                          is adopted at the next forward). Written as a fresh copy of
-                         its fields.
+                         its fields; it names only what TE's pickles name (the recipe
+                         class, ``Format`` by its ``_FormatHelper`` value, ``QParams``
+                         and ``MMParams``, all under ``transformer_engine.common.recipe``),
+                         so that Megatron's own allow-list unpickler reads it.
     extra_fp8_variables  ``{"num_gemms": n}``.
     scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd
                          present when the module has delayed-scaling state: float32
@@ -22,45 +25,87 @@ NOTE [FP8 extra state payload]
                          (``1 / scale``, as TE 2 does).
 
     A module with no FP8 state at all writes an empty tensor instead, and loading an
-    empty tensor changes nothing (as in TE). A payload is unpickled with an
-    allow-list (tensors, torch dtypes, this package's recipe classes; a tensor's
-    storage is read with ``torch.load(weights_only=True)``), so it cannot run code,
-    and checked whole: keys, ``num_gemms``, tensors float32 of the shapes this module
-    needs, scales finite and at least the smallest normal float32, histories finite,
-    non-negative, of one length in ``[1, MAX_AMAX_HISTORY_LEN]`` (the recipe's
-    ``amax_history_len`` when the recipe is delayed scaling), the recipe rebuilt
-    through its own validation. Only then is the module's state replaced, all of it;
-    a refused payload leaves the module as it was. Payloads of this package's earlier
-    layout (a ``torch.save`` archive of ``{"recipe": <fields>, "scaling_fwd": {...},
-    "scaling_bwd": {...}}``) still load, through ``torch.load(weights_only=True)``.
+    empty tensor (or TE 1's pickled None) changes nothing, as in TE. A payload is read
+    by the bounded reader of NOTE [Payload unpickler] (payload_pickle.py): it cannot
+    run code or change anything outside the module. It is then checked whole: size
+    first (at most what this module's largest state takes), keys, ``num_gemms``,
+    tensors float32 of the shapes this module needs, scales finite and at least the
+    smallest normal float32, histories finite, non-negative, of one length in
+    ``[1, MAX_AMAX_HISTORY_LEN]`` (the recipe's ``amax_history_len`` when the recipe is
+    delayed scaling), a recipe or a scaling state present (never neither), the recipe
+    rebuilt through its own validation. Only then is the module's state replaced, all
+    of it; a refused payload leaves the module as it was. Payloads of this package's
+    earlier layout (a ``torch.save`` archive of ``{"recipe": <fields>, "scaling_fwd":
+    {...}, "scaling_bwd": {...}}``) still load, read by the same rules.
 
     A history length that differs from the recipe in force at a later forward is
     adapted there (`delayed_scaling.resize_amax_history`: the oldest rows dropped, or zero
     rows added as the oldest), keeping the loaded scales; it is never discarded.
+
+NOTE [FP8 extra state in distributed checkpoints]
+    ``torch.distributed.checkpoint`` (DCP) stores a tensor of the state dict as a
+    tensor of fixed shape and loads it in place, into the tensor the loading model's
+    state dict holds: a payload's length depends on the state (history length,
+    recipe), so a fresh model (an empty payload) or one warmed with another recipe
+    could not load it. The payload tensor is therefore an `ExtraStateTensor`: a uint8
+    tensor in every way (``load_state_dict``, Megatron's hooks, NVIDIA's TE read it),
+    which pickles as a plain uint8 tensor (so ``torch.load(weights_only=True)``
+    reads a ``torch.save``d state dict) and tells DCP, through DCP's own
+    ``__create_write_items__`` protocol, to store it as one opaque bytes item. DCP
+    loads a bytes item by replacing the state dict's entry, whatever the loading
+    model's payload was, and ``load_state_dict`` hands it to ``set_extra_state``.
 """
 
 from __future__ import annotations
 
-import collections
-import io
 import pickle
 from typing import NamedTuple, Optional
 
 import torch
 
-from ...common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling, Float8BlockScaling,
-                               Float8CurrentScaling, Format, MMParams, QParams, Recipe)
-from ...common.recipe import _FormatHelper
+from ...common.recipe import MAX_AMAX_HISTORY_LEN, DelayedScaling, Recipe
 from ..scaling import ScalingState
-from .payload_recipe import (InvalidPayload, check_recipe, describe,
-                             recipe_fields, recipe_to_dict)
+from .payload_globals import read_archive, read_pickle
+from .payload_pickle import InvalidPayload, describe
+from .payload_recipe import check_recipe, recipe_from_record, recipe_to_dict
 
-__all__ = ["Layout", "LoadedFP8State", "save_fp8_state", "load_fp8_state"]
+__all__ = ["Layout", "LoadedFP8State", "ExtraStateTensor", "save_fp8_state", "load_fp8_state",
+           "max_payload_bytes"]
 
 _TOP_KEYS = frozenset(("recipe", "scaling_fwd", "scaling_bwd"))
 _STATE_KEYS = frozenset(("scale", "scale_inv", "amax_history"))
 _FP32_TINY = torch.finfo(torch.float32).tiny
 _ZIP_MAGIC = b"PK\x03\x04"      # torch.save writes a zip archive
+
+
+class ExtraStateTensor(torch.Tensor):
+    """The uint8 payload tensor ``get_extra_state`` returns (NOTE [FP8 extra state in
+    distributed checkpoints]): pickled, it is a plain uint8 tensor; in
+    ``torch.distributed.checkpoint``, one bytes item rather than a tensor of fixed
+    shape."""
+
+    @staticmethod
+    def of(payload: torch.Tensor) -> "ExtraStateTensor":
+        return payload.as_subclass(ExtraStateTensor)
+
+    def plain(self) -> torch.Tensor:
+        """The same tensor as a plain ``torch.Tensor``."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+    def __reduce_ex__(self, protocol):
+        return self.plain().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = ExtraStateTensor.of(self.plain().clone())
+        return memo[id(self)]
+
+    def __create_write_items__(self, fqn: str, obj):
+        # DCP's protocol for objects that choose their own write items
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+        return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
 
 
 class LoadedFP8State(NamedTuple):
@@ -85,6 +130,16 @@ class Layout(NamedTuple):
 TE_FWD_PER_GEMM, TE_BWD_PER_GEMM = 3, 2
 _TE_KEYS = frozenset(("recipe", "extra_fp8_variables", "scale_fwd", "amax_history_fwd",
                       "scale_bwd", "amax_history_bwd"))
+_PAYLOAD_OVERHEAD = 64 << 10        # the pickle around the tensors, generously
+
+
+def max_payload_bytes(layout: Layout) -> int:
+    """The largest payload this module can have written: its scales and histories at
+    the longest history (each float32 tensor once, in either layout), and the pickle
+    around them."""
+    slots = layout.num_gemms * (TE_FWD_PER_GEMM + TE_BWD_PER_GEMM
+                                + layout.fwd_per_gemm + layout.bwd_per_gemm)
+    return 4 * (MAX_AMAX_HISTORY_LEN + 2) * slots + _PAYLOAD_OVERHEAD
 
 
 def _te_slots(layout: Layout, forward: bool) -> torch.Tensor:
@@ -103,7 +158,7 @@ def save_fp8_state(fp8_meta: dict, layout: Layout) -> torch.Tensor:
     FP8")."""
     if fp8_meta["recipe"] is None and fp8_meta["scaling_fwd"] is None \
             and fp8_meta["scaling_bwd"] is None:
-        return torch.zeros(0, dtype=torch.uint8)
+        return ExtraStateTensor.of(torch.zeros(0, dtype=torch.uint8))
     fields = recipe_to_dict(fp8_meta["recipe"])
     state = {"recipe": None if fields is None else check_recipe(fields),
              "extra_fp8_variables": {"num_gemms": layout.num_gemms}}
@@ -118,7 +173,8 @@ def save_fp8_state(fp8_meta: dict, layout: Layout) -> torch.Tensor:
         history = torch.zeros(s.amax_history.shape[0], width, dtype=torch.float32)
         history[:, slots] = s.amax_history.detach().cpu()
         state["scale_" + direction], state["amax_history_" + direction] = scale, history
-    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    return ExtraStateTensor.of(torch.frombuffer(bytearray(pickle.dumps(state)),
+                                                dtype=torch.uint8))
 
 
 # ---- loading --------------------------------------------------------------------
@@ -141,19 +197,23 @@ def load_fp8_state(payload, api: str, layout: Layout) -> Optional[LoadedFP8State
         raise TypeError(f"{api}: expected the uint8 tensor written by get_extra_state, "
                         f"got {type(payload).__name__}")
     try:
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise InvalidPayload(f"expected a 1-D uint8 tensor, got {payload.dtype} of shape "
-                                 f"{tuple(payload.shape)}")
-        raw = payload.detach().cpu().numpy().tobytes()
+        raw = _payload_bytes(payload, layout)
         if raw.startswith(_ZIP_MAGIC):
-            data = _read_archive(raw)
+            data = read_archive(raw)
+            if type(data) is not dict or set(data) != _TOP_KEYS:
+                got = sorted(map(str, data)) if type(data) is dict else describe(data)
+                raise InvalidPayload(f"expected a dict with keys {sorted(_TOP_KEYS)}, got "
+                                     f"{describe(got, 300)}")
             recipe = check_recipe(data["recipe"])
             fwd = _check_state(data["scaling_fwd"], "scaling_fwd",
                                layout.num_gemms * layout.fwd_per_gemm)
             bwd = _check_state(data["scaling_bwd"], "scaling_bwd",
                                layout.num_gemms * layout.bwd_per_gemm)
         else:
-            recipe, fwd, bwd = _read_te_layout(raw, layout)
+            data = read_pickle(raw)
+            if data is None:            # what TE 1 wrote for a module without FP8 state
+                return None
+            recipe, fwd, bwd = _read_te_layout(data, layout)
         _check_lengths(recipe, fwd, bwd)
     except InvalidPayload as err:
         raise ValueError(f"{api}: the FP8 extra state is not a valid payload written by "
@@ -161,84 +221,36 @@ def load_fp8_state(payload, api: str, layout: Layout) -> Optional[LoadedFP8State
     return LoadedFP8State(recipe, fwd, bwd)
 
 
-def _read_archive(raw: bytes) -> dict:
-    """A payload of the earlier layout, loaded with ``weights_only=True``; torch's own
-    errors (and their advice to load untrusted bytes with ``weights_only=False``) are
-    replaced by a reason."""
-    try:
-        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        reason = ("torch.load(weights_only=True) refuses its contents (objects other than "
-                  "tensors and plain Python values, or corrupted data)")
-        raise InvalidPayload(reason) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
-        reason = (f"its bytes are not a complete torch.save archive (truncated or corrupted; "
-                  f"{type(err).__name__})")
-        raise InvalidPayload(reason) from None
-    if not isinstance(data, dict) or set(data) != _TOP_KEYS:
-        got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
-        raise InvalidPayload(f"expected a dict with keys {sorted(_TOP_KEYS)}, got {got}")
-    return data
+def _payload_bytes(payload: torch.Tensor, layout: Layout) -> bytes:
+    """The payload's bytes, after its type, shape and size were checked."""
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.layout != torch.strided:
+        raise InvalidPayload(f"expected a 1-D uint8 tensor, got {payload.dtype} of shape "
+                             f"{tuple(payload.shape)}")
+    limit = max_payload_bytes(layout)
+    if payload.numel() > limit:
+        raise InvalidPayload(f"it has {payload.numel()} bytes, more than this module's "
+                             f"largest FP8 state takes ({limit})")
+    if payload.device.type == "meta":
+        raise InvalidPayload("it is a tensor on the meta device (no data)")
+    with torch._C.DisableTorchFunctionSubclass():
+        plain = payload.as_subclass(torch.Tensor)
+        return plain.detach().cpu().contiguous().numpy().tobytes()
 
 
-def _storage_from_bytes(raw: bytes):
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-
-
-_ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-            ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
-            ("collections", "OrderedDict"): collections.OrderedDict}
-_ALLOWED.update({("transformer_engine.common.recipe", cls.__name__): cls
-                 for cls in (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, Format,
-                             type(Format.E4M3.value))})
-# NVIDIA's TE defines QParams and MMParams in recipe, and pickles a Format by its
-# _FormatHelper value (NOTE [Recipes NVIDIA's TE pickled] in payload_recipe.py)
-_ALLOWED.update({(module, cls.__name__): cls for cls in (QParams, MMParams)
-                 for module in ("transformer_engine.common.recipe_fields",
-                                "transformer_engine.common.recipe")})
-_ALLOWED[("transformer_engine.common.recipe", "_FormatHelper")] = _FormatHelper
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles tensors, torch dtypes and this package's recipes, nothing else."""
-
-    def find_class(self, module: str, name: str):
-        found = _ALLOWED.get((module, name))
-        if found is None and module == "torch" and isinstance(getattr(torch, name, None),
-                                                              torch.dtype):
-            found = getattr(torch, name)
-        if found is None:
-            raise InvalidPayload(f"it refers to {module}.{name}, which an FP8 extra state "
-                                 "never holds (only tensors, torch dtypes and recipes load)")
-        return found
-
-
-def _read_te_layout(raw: bytes, layout: Layout):
+def _read_te_layout(data, layout: Layout):
     """``(recipe, scaling_fwd, scaling_bwd)`` of a payload in TE's layout."""
-    try:
-        data = _AllowListUnpickler(io.BytesIO(raw)).load()
-    except InvalidPayload:
-        raise
-    except Exception as err:   # whatever malformed bytes make the unpickler raise
-        raise InvalidPayload(f"its bytes are not a complete pickle (truncated or corrupted; "
-                             f"{type(err).__name__})") from None
-    if not isinstance(data, dict) or not ({"recipe", "extra_fp8_variables"} <= set(data)
-                                          <= _TE_KEYS):
-        got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+    if type(data) is not dict or not ({"recipe", "extra_fp8_variables"} <= set(data)
+                                      <= _TE_KEYS):
+        got = describe(sorted(map(str, data)), 300) if type(data) is dict else describe(data)
         raise InvalidPayload(f"expected a dict with keys 'recipe' and 'extra_fp8_variables' "
                              f"and optionally {sorted(_TE_KEYS - {'recipe', 'extra_fp8_variables'})},"
                              f" got {got}")
     extra = data["extra_fp8_variables"]
-    if not isinstance(extra, dict) or extra.get("num_gemms", layout.num_gemms) != layout.num_gemms:
+    gemms = extra.get("num_gemms", layout.num_gemms) if type(extra) is dict else None
+    if type(gemms) is not int or gemms != layout.num_gemms:
         raise InvalidPayload(f"extra_fp8_variables must be a dict whose num_gemms is this "
                              f"module's {layout.num_gemms}, got {describe(extra)}")
-    recipe = data["recipe"]
-    if recipe is not None:
-        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
-            raise InvalidPayload(f"recipe: expected None or a DelayedScaling, "
-                                 f"Float8CurrentScaling or Float8BlockScaling, got "
-                                 f"{type(recipe).__name__}")
-        recipe = check_recipe(recipe_fields(recipe))
+    recipe = None if data["recipe"] is None else recipe_from_record(data["recipe"])
     states = []
     for forward, direction in ((True, "fwd"), (False, "bwd")):
         scale, history = data.get("scale_" + direction), data.get("amax_history_" + direction)
@@ -251,7 +263,7 @@ def _read_te_layout(raw: bytes, layout: Layout):
             raise InvalidPayload(
                 f"scale_{direction} and amax_history_{direction}: this module's {width} slots "
                 f"(TE's layout) need tensors of shapes ({width},) and (amax_history_len, "
-                f"{width}), got {_describe_tensor(scale)} and {_describe_tensor(history)}")
+                f"{width}), got {describe(scale)} and {describe(history)}")
         slots = _te_slots(layout, forward)
         states.append(_check_state({"scale": scale[slots], "amax_history": history[:, slots]},
                                    "scaling_" + direction, len(slots), saved_inverse=False))
@@ -265,18 +277,18 @@ def _check_state(data, key: str, n: int, saved_inverse: bool = True) -> Optional
     if data is None:
         return None
     keys = _STATE_KEYS if saved_inverse else _STATE_KEYS - {"scale_inv"}
-    if not isinstance(data, dict) or set(data) != keys:
-        got = sorted(map(str, data)) if isinstance(data, dict) else describe(data)
+    if type(data) is not dict or set(data) != keys:
+        got = describe(sorted(map(str, data))) if type(data) is dict else describe(data)
         raise InvalidPayload(f"{key}: expected a dict with keys {sorted(keys)}, got {got}")
     tensors = {}
     for name in ("scale", "scale_inv", "amax_history"):
         if name not in keys:
             continue
-        t = data[name]
+        t = data[name]      # a tensor the reader made: its own storage, in bounds
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.layout != torch.strided:
             got = f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else describe(t)
             raise InvalidPayload(f"{key}.{name}: expected a float32 tensor, got {got}")
-        tensors[name] = t.detach().clone().contiguous()
+        tensors[name] = t.detach().contiguous()
     scale, history = tensors["scale"], tensors["amax_history"]
     scale_inv = tensors["scale_inv"] if saved_inverse else None
     for name, t in (("scale", scale), ("scale_inv", scale_inv)):
@@ -311,6 +323,10 @@ def _check_lengths(recipe: Optional[Recipe], fwd: Optional[ScalingState],
     history length: the recipe's, when the recipe is delayed scaling."""
     if (fwd is None) != (bwd is None):
         raise InvalidPayload("scaling_fwd and scaling_bwd must both be present or both None")
+    if recipe is None and fwd is None:
+        raise InvalidPayload("it holds neither a recipe nor a scaling state, which "
+                             "get_extra_state never writes (a module without FP8 state "
+                             "writes an empty tensor)")
     delayed = isinstance(recipe, DelayedScaling)
     if fwd is None:
         if delayed:
@@ -324,7 +340,3 @@ def _check_lengths(recipe: Optional[Recipe], fwd: Optional[ScalingState],
     if delayed and lengths[0] != recipe.amax_history_len:
         raise InvalidPayload(f"the amax histories have {lengths[0]} rows but the saved recipe "
                              f"has amax_history_len={recipe.amax_history_len}")
-
-
-def _describe_tensor(t) -> str:
-    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if torch.is_tensor(t) else describe(t)

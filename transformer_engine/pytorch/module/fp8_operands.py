@@ -23,8 +23,10 @@ NOTE [Skip-update flag]
     (``FP8GlobalStateManager.fp8_graph_capturing()``) reads that tensor instead of its
     ``is_first_microbatch`` argument. Here that forward casts the weight every time and
     writes into the cached FP8 weight, in place, ``torch.where(flag, cached, fresh)``
-    (FP8 bits, ``scale_inv`` and the transposed copy alike); the weight's amax goes
-    into the live history slot only where the flag says refresh. A replay therefore
+    (FP8 bits, ``scale_inv`` and the transposed copy alike; with block scaling the
+    block scales and the columnwise copy); the weight's amax goes into the live
+    history slot, and a non-finite block amax into the counter, only where the flag
+    says refresh. A replay therefore
     reads and writes the same cache buffers and does exactly what
     ``is_first_microbatch=True`` (flag 0) or ``False`` (flag 1) does eagerly, bit for
     bit, without a host sync. As in TE, the cache is one buffer: a refresh overwrites
@@ -41,7 +43,7 @@ import torch
 
 from .. import block_scaling, quantize
 from ..amax_update import non_finite_counter
-from ..tensor import Float8Tensor
+from ..tensor import QuantizedTensor
 from .base import ForwardPlan
 from .fp8_params import weight_operands
 
@@ -62,12 +64,15 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
                                                  state.amax_history if record else None,
                                                  data, transpose,
                                                  None if plan.traced else state)
+    # a recompute counts no non-finite amax: its first forward did (NOTE [Non-finite amaxes])
+    count = not plan.recomputing
     if plan.recipe.float8_block_scaling():
-        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose)
+        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose,
+                                           count_non_finite=count)
     q = getattr(plan.recipe, "fp8_quant_" + role)
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
-                                         non_finite_counter(x.device, role == "bwd_grad"), data,
-                                         transpose)
+                                         non_finite_counter(x.device, role == "bwd_grad")
+                                         if count else None, data, transpose)
 
 
 def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict,
@@ -77,7 +82,7 @@ def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, f
     (input in slot ``index``, weight in ``index + 1``), transposes as asked for. A
     plain delayed-scaling weight cast (no cache in use, not an FP8 primary weight)
     shares one launch with the input's (`quantize.cast_pair_unchecked`)."""
-    if plan.delayed and plan.is_first_microbatch is None and not isinstance(weight, Float8Tensor):
+    if plan.delayed and plan.is_first_microbatch is None and not isinstance(weight, QuantizedTensor):
         return quantize.cast_pair_unchecked(x, weight, state.scale, dtype, index,
                                             state.amax_history if plan.record_amax else None,
                                             transpose_x, transpose_w,
@@ -92,8 +97,8 @@ def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, i
     """The FP8 weight (and its transpose) of GEMM ``gemm`` for this call (NOTE [FP8
     weight cache], NOTE [Skip-update flag]); an FP8 primary weight is its own (NOTE
     [FP8 primary weights] in fp8_params.py)."""
-    if isinstance(weight, Float8Tensor):
-        return weight_operands("FP8 GEMM", weight, plan.recipe, transpose)
+    if isinstance(weight, QuantizedTensor):
+        return weight_operands(weight, transpose)
     if plan.is_first_microbatch is None:        # no cache in use: the plain cast
         return cast_operand(weight, plan, state, index, dtype, plan.record_amax, "fwd_weight",
                             transpose=transpose)
@@ -125,6 +130,8 @@ def _with_transpose(w, transpose: bool):
     """``(w_fp8, w_fp8^T)`` with the transpose made from the FP8 data if it is missing
     (a cast made without one, e.g. under no_grad): the very same FP8 values."""
     if transpose and w[1] is None:
+        if isinstance(w[0], block_scaling.BlockScaledData):     # 128x128 blocks: the transpose
+            return w[0], w[0].t_contiguous()
         return w[0], quantize.transpose_fp8(w[0])
     return w
 
@@ -133,11 +140,16 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
                    dtype: torch.dtype, transpose: bool, cached):
     """The cached cast, refreshed in place where the skip flag is 0 (NOTE [Skip-update
     flag]); the fresh cast's amax is recorded only there."""
-    if plan.recipe.float8_block_scaling():
-        raise NotImplementedError("FP8GlobalStateManager.set_skip_fp8_weight_update_tensor: "
-                                  "the device-side weight cache is not implemented for "
-                                  "Float8BlockScaling; capture without the skip flag")
     keep = plan.skip_weight_update.reshape(()).to(weight.device) != 0
+    if plan.recipe.float8_block_scaling():
+        w, w_t = cached
+        fresh, fresh_t = block_scaling.cast_for_role(plan.recipe, "fwd_weight", weight, dtype,
+                                                     True, w_t is not None, count_where=~keep,
+                                                     count_non_finite=not plan.recomputing)
+        _keep_or_copy(keep, w, fresh)
+        if w_t is not None:
+            _keep_or_copy(keep, w_t, fresh_t)
+        return _with_transpose((w, w_t), transpose)
     amax_value = quantize.amax(weight)
     if plan.delayed:
         scale = state.scale
@@ -146,7 +158,8 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
             slot.copy_(torch.where(keep, slot, torch.maximum(slot, amax_value)))
     else:
         q = plan.recipe.fp8_quant_fwd_weight
-        non_finite_counter(weight.device).add_(~keep & ~torch.isfinite(amax_value))
+        if not plan.recomputing:
+            non_finite_counter(weight.device).add_(~keep & ~torch.isfinite(amax_value))
         scale = quantize.current_scale(amax_value, dtype, q.power_2_scale, q.amax_epsilon)
         index = 0
     w, w_t = cached
@@ -158,9 +171,9 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
     return _with_transpose((w, w_t), transpose)
 
 
-def _keep_or_copy(keep: torch.Tensor, cached: quantize.Float8Data,
-                  fresh: quantize.Float8Data) -> None:
-    """``cached := cached if keep else fresh``, in place, FP8 bits and ``scale_inv``.
+def _keep_or_copy(keep: torch.Tensor, cached, fresh) -> None:
+    """``cached := cached if keep else fresh``, in place, FP8 bits and ``scale_inv`` (of
+    `Float8Data` or block-scaled `BlockScaledData`).
     The writes go through ``.data`` (no version-counter bump): the cache is a buffer
     that earlier micro-batches saved for backward, and keeping it changes nothing."""
     bits = cached.data.data.view(torch.uint8)

@@ -1,6 +1,6 @@
 """FP8 primary weights: the GEMM weights of modules built under
 ``te.quantized_model_init(enabled=True)`` (TE's ``fp8_model_init``) are `Float8Tensor`
-parameters.
+parameters (per-tensor recipes) or `Float8BlockwiseQTensor` ones (Float8BlockScaling).
 
 NOTE [FP8 primary weights]
     Such a module keeps each GEMM weight only in FP8 (the forward format of the
@@ -19,15 +19,23 @@ NOTE [FP8 primary weights]
     (Megatron's CPU initialization does, through ``weight.data.copy_``), and the amax
     of memory never used must not set a scale.
 
-    An FP8 forward takes the weight's FP8 data and ``scale_inv`` as its operand: no
-    cast, no amax, whatever the autocast's per-tensor recipe (its transposed copy for
-    the dgrad is made from the FP8 data, the same values). So ``is_first_microbatch``
-    has nothing to cache, and a recompute under ``te.checkpoint`` reads the very FP8
-    weight its first forward read (nothing can write it in between). A forward
-    outside FP8 runs on the dequantized weight. The gradient is an ordinary tensor of
-    the weight's nominal dtype (``params_dtype``). Split weights
-    (``parameters_split``) are joined dequantized and cast as one weight. Block
-    scaling (``Float8BlockScaling``) would need weights kept in blocks: refused.
+    With Float8BlockScaling the weight is a `Float8BlockwiseQTensor`: blocks of the
+    recipe's ``w_block_scaling_dim`` (128x128 by default) scaled by its
+    ``fp8_quant_fwd_weight`` settings, each write quantizing the new value into its
+    rowwise copy (the forward GEMM's operand) and its columnwise copy (the dgrad's).
+
+    An FP8 forward takes the weight's FP8 storage as its operand: no cast, no amax.
+    The weight serves the autocast of its own recipe class only: a module whose
+    weights were made for one recipe, run under another, raises TE's "Recipe mismatch"
+    ``RuntimeError`` (`check_weight_recipes`; a weight made for DelayedScaling does
+    not run under Float8CurrentScaling either, as in TE). A per-tensor weight's
+    transposed copy for the dgrad is made from its FP8 data, the same values. So
+    ``is_first_microbatch`` has nothing to cache, and a recompute under
+    ``te.checkpoint`` reads the very FP8 weight its first forward read (nothing can
+    write it in between). A forward outside FP8 runs on the dequantized weight. The
+    gradient is an ordinary tensor of the weight's nominal dtype (``params_dtype``).
+    Split weights (``parameters_split``) are joined dequantized and cast as one
+    weight.
 """
 
 from __future__ import annotations
@@ -38,16 +46,18 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ...common.recipe import DelayedScaling
 from .. import quantize
 from ..amax_update import non_finite_counter
 from ..fp8_shapes import Float8Data
-from ..tensor.float8_tensor import CurrentScalingQuantizer, Float8Tensor, as_matrix
+from ..tensor import Float8BlockQuantizer, Float8BlockwiseQTensor, QuantizedTensor
+from ..tensor.float8_tensor import CurrentScalingQuantizer, Float8Quantizing, as_matrix
 
 __all__ = ["DelayedWeightQuantizer", "CurrentWeightQuantizer", "weight_quantizer",
-           "quantize_weights", "weight_operands"]
+           "quantize_weights", "weight_operands", "check_weight_recipes"]
 
 
-class DelayedWeightQuantizer:
+class DelayedWeightQuantizer(Float8Quantizing):
     """Quantizes a module's weight with the module's delayed-scaling scale for forward
     tensor ``index``, folding the amax into the live history row, as the forward cast
     of a high-precision weight does (NOTE [FP8 primary weights])."""
@@ -66,6 +76,9 @@ class DelayedWeightQuantizer:
             as_matrix(x), state.scale, self.fp8_dtype, self.index,
             state.amax_history if record_amax else None, True, False)
         return Float8Data(q.data.view(x.shape), q.scale_inv)
+
+    def _get_compatible_recipe(self):
+        return DelayedScaling
 
     def __deepcopy__(self, memo):
         # a deep copy of the module quantizes with the copy's own state
@@ -89,6 +102,8 @@ def weight_quantizer(module, recipe, index: int, fp8_dtype: torch.dtype):
     """The quantizer of an FP8 primary weight of ``module`` (forward tensor ``index``)."""
     if recipe.delayed():
         return DelayedWeightQuantizer(module, index, fp8_dtype)
+    if recipe.float8_block_scaling():
+        return Float8BlockQuantizer.for_weights(recipe)
     q = recipe.fp8_quant_fwd_weight
     return CurrentWeightQuantizer(fp8_dtype, q.power_2_scale, q.amax_epsilon)
 
@@ -96,21 +111,22 @@ def weight_quantizer(module, recipe, index: int, fp8_dtype: torch.dtype):
 def quantize_weights(module, recipe, preserve_init_value: bool,
                      weights: List[Tuple[str, torch.Tensor, int]]) -> None:
     """Make each ``(name, initialized value, FP8 slot)`` of ``weights`` an FP8 primary
-    weight of ``module``: a new `Float8Tensor` parameter that keeps the old
-    parameter's attributes (tensor-parallel marks), or, where it is one already, the
-    value quantized into it in place (a reset)."""
+    weight of ``module``: a new quantized parameter (`Float8Tensor` or
+    `Float8BlockwiseQTensor`, by the recipe) that keeps the old parameter's attributes
+    (tensor-parallel marks), or, where it is one already, the value quantized into it
+    in place (a reset)."""
     fp8_dtype = recipe.fp8_format.value.dtype_fwd
     for name, value, index in weights:
         old = getattr(module, name)
         quantizer = weight_quantizer(module, recipe, index, fp8_dtype)
         q = quantizer.quantize(value, record_amax=False)
-        if isinstance(old, Float8Tensor):
+        if isinstance(old, QuantizedTensor):
             old._quantizer = quantizer
-            old._data.copy_(q.data)
-            old._scale_inv.copy_(q.scale_inv)
+            with torch.no_grad():
+                old._store(q)
             param = old
         else:
-            param = torch.nn.Parameter(Float8Tensor(q.data, q.scale_inv, value.dtype, quantizer),
+            param = torch.nn.Parameter(quantizer.make_tensor(q, value.dtype),
                                        requires_grad=old.requires_grad)
             for key, attr in old.__dict__.items():
                 setattr(param, key, attr)
@@ -119,31 +135,47 @@ def quantize_weights(module, recipe, preserve_init_value: bool,
             _keep_init_value(param, value)
 
 
-def _keep_init_value(param: Float8Tensor, value: torch.Tensor) -> None:
+def _keep_init_value(param: QuantizedTensor, value: torch.Tensor) -> None:
     """TE's ``get_high_precision_init_val()`` / ``clear_high_precision_init_val()``,
-    bound to ``param``, over a CPU copy of its initial high-precision value."""
+    bound to ``param``, over a CPU copy of its initial high-precision value in
+    ``param._high_precision_init_val``. Clearing drops the value, not the accessors
+    (``get_high_precision_init_val()`` then returns None), as in TE. The module moves
+    them onto the parameter ``module.to`` / ``.half()`` / ``.cuda()`` leave it
+    (`TransformerEngineBaseModule._apply`)."""
     param._high_precision_init_val = value.detach().to("cpu", copy=True)
     param.get_high_precision_init_val = types.MethodType(_get_init_value, param)
     param.clear_high_precision_init_val = types.MethodType(_clear_init_value, param)
 
 
-def _get_init_value(param) -> torch.Tensor:
-    return param._high_precision_init_val
+def _get_init_value(param) -> Optional[torch.Tensor]:
+    return param.__dict__.get("_high_precision_init_val")
 
 
 def _clear_init_value(param) -> None:
-    for key in ("_high_precision_init_val", "get_high_precision_init_val",
-                "clear_high_precision_init_val"):
-        param.__dict__.pop(key, None)
+    param.__dict__.pop("_high_precision_init_val", None)
 
 
-def weight_operands(api: str, weight: Float8Tensor, recipe, transpose: bool):
-    """``(w_fp8, w_fp8^T)`` of an FP8 primary weight for a GEMM: its own data and
-    ``scale_inv`` (NOTE [FP8 primary weights])."""
-    if recipe.float8_block_scaling():
-        raise NotImplementedError(
-            f"{api}: an FP8 primary weight (te.quantized_model_init) has one per-tensor scale "
-            "and cannot run in a Float8BlockScaling autocast; build the module without "
-            "quantized_model_init or use a per-tensor recipe")
+def weight_operands(weight: QuantizedTensor, transpose: bool):
+    """``(w_fp8, w_fp8^T)`` of an FP8 primary weight for a GEMM: its own storage (NOTE
+    [FP8 primary weights]); the recipes match (`check_weight_recipes`)."""
+    if isinstance(weight, Float8BlockwiseQTensor):
+        return weight.block_operands(transpose)
     w = weight.fp8_operand()
     return w, (quantize.transpose_fp8(w) if transpose else None)
+
+
+def check_weight_recipes(module, recipe) -> None:
+    """TE's check that each FP8 primary weight of ``module`` was made for the class of
+    ``recipe``, the recipe of the autocast it runs in: else TE's RuntimeError."""
+    for name, init in module._init_table().items():
+        if init.fp8_weight_index is None:
+            continue
+        param = module._parameters.get(name)
+        if not isinstance(param, QuantizedTensor):
+            continue
+        compatible = param._get_quantizer()._get_compatible_recipe()
+        if compatible is not None and not isinstance(recipe, compatible):
+            raise RuntimeError(f"Recipe mismatch for '{name}': tensor supports recipe "
+                               f"{compatible.__name__}, but got {type(recipe).__name__}. Please "
+                               "check the recipes assigned during quantized_model_init() and "
+                               "autocast() calls.")

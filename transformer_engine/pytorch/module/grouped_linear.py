@@ -156,6 +156,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         if inp.dim() == 0 or inp.shape[-1] != self.in_features:
             raise ValueError(f"{_API}: the input's last dimension must be in_features="
                              f"{self.in_features}, got input of shape {tuple(inp.shape)}")
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         x2d = inp.reshape(-1, self.in_features)
         splits = check_m_splits(m_splits, self.num_gemms, x2d.shape[0])
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]

@@ -139,8 +139,9 @@ class _Norm(ParameterInitMixin):
                     else f"trailing dimensions must be normalized_shape="
                          f"{list(self.normalized_shape)}")
             raise ValueError(f"{api}: the input's {want}, got input of shape {tuple(inp.shape)}")
-        return normalize(inp, self.weight, self.bias, self._NORMALIZATION, self.eps,
-                         self.zero_centered_gamma)
+        # NOTE [Contiguous module inputs] in module/base.py
+        return normalize(inp.contiguous(), self.weight, self.bias, self._NORMALIZATION,
+                         self.eps, self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
         shape = self.normalized_shape[0] if len(self.normalized_shape) == 1 \

@@ -1,5 +1,7 @@
 """te.LayerNormLinear: a normalization (high precision) followed by one linear
-layer (FP8 inside an enabled ``te.autocast``), with TE's signature and parameter names."""
+layer (FP8 inside an enabled ``te.autocast``), with TE's signature and parameter names.
+On CUDA the normalization's kernel writes the GEMM's FP8 input (NOTE [Fused producers]
+in fused_producers.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 from ..tensor_parallel import TensorParallelConfig, mark_sequence_parallel
 from ..utils import (check_bool, check_eps, check_input, check_normalization, check_params_dtype,
                      check_positive_int, reject_unsupported)
-from .base import TransformerEngineBaseModule, default_device
+from .base import TransformerEngineBaseModule, activation_dtype, default_device
+from .fused_producers import fused_producers_on, gemm_shapes_ok, norm_cast_input
 from .layernorm import make_norm_params, normalize
 from .linear import check_init_args, fp8_linear, local_parts
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
@@ -159,21 +162,38 @@ class LayerNormLinear(TransformerEngineBaseModule):
         reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
                            fp8_grad=(fp8_grad, False))
         check_input(api, inp, self.in_features, "in_features")
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         with self.prepare_forward(inp, is_first_microbatch) as plan:
-            ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
-                               self.normalization, self.eps, self.zero_centered_gamma)
+            weight = joined_parameter(self, self.weight_names)
+            ln_fp8 = None
+            if self._norm_fusable(plan, inp, weight):
+                ln_out, ln_fp8 = norm_cast_input(
+                    plan, self.fp8_meta, inp, self.layer_norm_weight, self.layer_norm_bias,
+                    self.normalization, self.eps, self.zero_centered_gamma,
+                    activation_dtype(inp), write_y=self.return_layernorm_output,
+                    transpose=weight.requires_grad and torch.is_grad_enabled())
+            else:
+                ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
+                                   self.normalization, self.eps, self.zero_centered_gamma)
             bias = joined_parameter(self, self.bias_names)
             gemm_in = self.tp.column_input(ln_out)
-            out = fp8_linear(self.named_api(api), gemm_in,
-                             joined_parameter(self, self.weight_names),
+            out = fp8_linear(self.named_api(api), gemm_in, weight,
                              None if self.return_bias else bias, plan, self.fp8_meta,
                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                             input_name="normalized input")
+                             input_name="normalized input", input_fp8=ln_fp8)
         if (self.return_layernorm_output_gathered and self.tp.sequence_parallel
                 and self.tp.size > 1):
             ln_out = gemm_in                    # the all-gathered normalization output
         return pack_outputs(out, bias, self.return_bias,
                             ln_out if self.return_layernorm_output else None)
+
+    def _norm_fusable(self, plan, inp: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the normalization writes the GEMM's FP8 input itself (NOTE [Fused
+        producers] in fused_producers.py): not through a sequence-parallel gather."""
+        return (fused_producers_on(plan, inp)
+                and not (self.tp.sequence_parallel and self.tp.size > 1)
+                and gemm_shapes_ok(inp.numel() // self.in_features, self.in_features,
+                                   weight.shape[0]))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -20,7 +20,9 @@ from ..tensor_parallel import (TensorParallelConfig, gather_from_sequence_parall
                                mark_sequence_parallel)
 from ..utils import (check_bool, check_eps, check_input, check_normalization, check_params_dtype,
                      check_optional_positive_int, check_positive_int, reject_unsupported)
-from .base import TransformerEngineBaseModule, default_device
+from .base import TransformerEngineBaseModule, activation_dtype, default_device
+from .fused_producers import (GradHandoff, act_cast_input, fused_producers_on, gemm_shapes_ok,
+                              norm_cast_input)
 from .layernorm import make_norm_params, normalize
 from .layernorm_linear import pack_outputs
 from .linear import check_init_args, fp8_linear
@@ -79,9 +81,11 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 class LayerNormMLP(TransformerEngineBaseModule):
     """``y = act(Norm(x) W1^T + b1) W2^T + b2``; both GEMMs in FP8 inside an enabled
-    ``te.autocast``, the normalization and the activation in high precision. TE's
-    signature; parameters in TE's order (``layer_norm_weight``, ``layer_norm_bias``,
-    ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias``).
+    ``te.autocast``, the normalization and the activation in high precision (on CUDA
+    their kernels write the GEMMs' FP8 operands, and the activation's gradient FC1's:
+    NOTE [Fused producers] in fused_producers.py). TE's signature; parameters in TE's
+    order (``layer_norm_weight``, ``layer_norm_bias``, ``fc1_weight``, ``fc1_bias``,
+    ``fc2_weight``, ``fc2_bias``).
 
     Parameters
     ----------
@@ -234,23 +238,48 @@ class LayerNormMLP(TransformerEngineBaseModule):
     def _fc1_act_fc2(self, ln_out: torch.Tensor, is_first_microbatch: Optional[bool] = None
                      ) -> torch.Tensor:
         """FC1 -> activation -> FC2: the module's one FP8 forward (one prepare_forward)."""
+        with self.prepare_forward(ln_out, is_first_microbatch) as plan:
+            return self._mlp(ln_out, plan)
+
+    def _mlp(self, ln_out: torch.Tensor, plan, ln_fp8=None) -> torch.Tensor:
+        """FC1 -> activation -> FC2 under ``plan``; ``ln_fp8``: FC1's FP8 input made by
+        the normalization (NOTE [Fused producers] in fused_producers.py)."""
         api = self.named_api("te.LayerNormMLP")
         fuse = self.fuse_wgrad_accumulation
-        with self.prepare_forward(ln_out, is_first_microbatch) as plan:
-            fc1_out = fp8_linear(api, self.tp_fc1.column_input(ln_out), self.fc1_weight,
-                                 self.fc1_bias, plan, self.fp8_meta, gemm=0,
-                                 fuse_wgrad_accumulation=fuse, input_name="FC1 input",
-                                 weight_name="fc1_weight")
+        fc1_in = self.tp_fc1.column_input(ln_out)
+        act_fused = (fused_producers_on(plan, fc1_in)
+                     and gemm_shapes_ok(fc1_in.numel() // self.hidden_size, self.hidden_size,
+                                        self.fc1_weight.shape[0], self.fc2_weight.shape[1]))
+        handoff = GradHandoff() if act_fused else None
+        fc1_out = fp8_linear(api, fc1_in, self.fc1_weight, self.fc1_bias, plan, self.fp8_meta,
+                             gemm=0, fuse_wgrad_accumulation=fuse, input_name="FC1 input",
+                             weight_name="fc1_weight", input_fp8=ln_fp8, grad_handoff=handoff)
+        act_fp8 = None
+        if act_fused:
+            act_out, act_fp8 = act_cast_input(
+                plan, self.fp8_meta, fc1_out, self.activation,
+                transpose=self.fc2_weight.requires_grad and torch.is_grad_enabled(),
+                handoff=handoff, fwd_index=self.FWD_TENSORS_PER_GEMM,
+                bwd_index=0)
+        else:
             act_out = activate(fc1_out, self.activation)
-            row = self.tp_fc2.size > 1
-            fc2_bias = None if (self.return_bias or row) else self.fc2_bias
-            out = self.tp_fc2.row_output(fp8_linear(
-                api, act_out, self.fc2_weight, fc2_bias, plan, self.fp8_meta, gemm=1,
-                fuse_wgrad_accumulation=fuse, input_name="FC2 input (the activation output)",
-                weight_name="fc2_weight"))
+        row = self.tp_fc2.size > 1
+        fc2_bias = None if (self.return_bias or row) else self.fc2_bias
+        out = self.tp_fc2.row_output(fp8_linear(
+            api, act_out, self.fc2_weight, fc2_bias, plan, self.fp8_meta, gemm=1,
+            fuse_wgrad_accumulation=fuse, input_name="FC2 input (the activation output)",
+            weight_name="fc2_weight", input_fp8=act_fp8))
         if row and not self.return_bias and self.fc2_bias is not None:
             out = out + self.fc2_bias.to(out.dtype)
         return out
+
+    def _norm_fusable(self, plan, inp: torch.Tensor) -> bool:
+        """Whether the normalization writes FC1's FP8 input itself (NOTE [Fused
+        producers] in fused_producers.py): not through a sequence-parallel gather."""
+        return (fused_producers_on(plan, inp)
+                and not (self.tp_fc1.sequence_parallel and self.tp_fc1.size > 1)
+                and gemm_shapes_ok(inp.numel() // self.hidden_size, self.hidden_size,
+                                   self.fc1_weight.shape[0]))
 
     def _worth_checkpointing(self, ln_out: torch.Tensor) -> bool:
         """Only a forward that builds a graph has activations to drop."""
@@ -263,13 +292,28 @@ class LayerNormMLP(TransformerEngineBaseModule):
         """The MLP on ``inp``; ``is_first_microbatch`` as in TE (NOTE [FP8 weight cache]
         in fp8_operands.py)."""
         check_input("te.LayerNormMLP", inp, self.hidden_size)
-        ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
-                           self.normalization, self.eps, self.zero_centered_gamma)
-        args = (ln_out,) if is_first_microbatch is None else (ln_out, is_first_microbatch)
-        if self._worth_checkpointing(ln_out):
-            out = distributed.checkpoint(self._fc1_act_fc2, *args, use_reentrant=False)
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
+        if not (self.checkpoint and torch.is_grad_enabled()):
+            with self.prepare_forward(inp, is_first_microbatch) as plan:
+                ln_fp8 = None
+                if self._norm_fusable(plan, inp):
+                    ln_out, ln_fp8 = norm_cast_input(
+                        plan, self.fp8_meta, inp, self.layer_norm_weight, self.layer_norm_bias,
+                        self.normalization, self.eps, self.zero_centered_gamma,
+                        activation_dtype(inp), write_y=self.return_layernorm_output,
+                        transpose=self.fc1_weight.requires_grad and torch.is_grad_enabled())
+                else:
+                    ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
+                                       self.normalization, self.eps, self.zero_centered_gamma)
+                out = self._mlp(ln_out, plan, ln_fp8)
         else:
-            out = self._fc1_act_fc2(*args)
+            ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
+                               self.normalization, self.eps, self.zero_centered_gamma)
+            args = (ln_out,) if is_first_microbatch is None else (ln_out, is_first_microbatch)
+            if self._worth_checkpointing(ln_out):
+                out = distributed.checkpoint(self._fc1_act_fc2, *args, use_reentrant=False)
+            else:
+                out = self._fc1_act_fc2(*args)
         if (self.return_layernorm_output_gathered and self.tp_fc1.sequence_parallel
                 and self.tp_fc1.size > 1):
             ln_out = gather_from_sequence_parallel_region(ln_out, self.tp_fc1.tp_group,

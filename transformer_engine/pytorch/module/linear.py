@@ -18,9 +18,10 @@ from ..tensor import QuantizedTensor
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
+from .backward_override import backward_override, operands_to_save, override_grads
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
-from .fp8_operands import cast_operand, forward_operands, fp8_weight
+from .fp8_operands import cast_operand, fp8_weight, forward_operands
 from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
@@ -66,12 +67,14 @@ class _LinearCall:
     """The non-tensor arguments of one `_FP8LinearFunction` call, as one argument
     (autograd's ``apply`` inspects every argument: fewer is cheaper on the host)."""
 
-    __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad", "weight_ops")
+    __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad", "input_fp8",
+                 "grad_handoff", "weight_ops")
 
     def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
-                 fuse_wgrad: bool, weight_ops=None):
+                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None, weight_ops=None):
         self.plan, self.fp8_meta, self.gemm = plan, fp8_meta, gemm
         self.out_dtype, self.fuse_wgrad = out_dtype, fuse_wgrad
+        self.input_fp8, self.grad_handoff = input_fp8, grad_handoff
         # the FP8 weight made before the call, while dynamo traces (NOTE [torch.compile])
         self.weight_ops = weight_ops
 
@@ -82,7 +85,10 @@ class _FP8LinearFunction(torch.autograd.Function):
     The forward casts also produce the transposed FP8 copies the backward GEMMs take
     (``W^T`` for dgrad, ``x^T`` for wgrad; on CUDA in the cast's own pass, NOTE [Fused
     casts]) and save only those: FP8 copies, not the high-precision tensors, and
-    nothing to transpose in backward.
+    nothing to transpose in backward. With ``call.input_fp8`` the input's FP8 copies
+    come from its producer and ``x`` is only the autograd edge; with
+    ``call.grad_handoff`` the output gradient's FP8 copies and the bias gradient come
+    from the next layer's backward (NOTE [Fused producers] in fused_producers.py).
     """
 
     @staticmethod
@@ -93,39 +99,68 @@ class _FP8LinearFunction(torch.autograd.Function):
         state = plan.fwd_state
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        override = backward_override(plan.recipe)
+        fp8_backward = override is None
         with no_autocast(x.device.type):
-            if call.weight_ops is None:
-                (x_fp8, x_t), (w_fp8, w_t) = forward_operands(
-                    x, weight, plan, fp8_meta, state, i, gemm, fmt.dtype_fwd, need_wgrad,
-                    need_dgrad)
-            else:
+            if call.input_fp8 is not None:      # fused producers: FP8 backward only
+                x_fp8, x_t = call.input_fp8
+                if need_wgrad and x_t is None:
+                    x_t = quantize.transpose_fp8(x_fp8)
+                w_fp8, w_t = fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
+                                        fmt.dtype_fwd, need_dgrad)
+            elif call.weight_ops is not None:   # (made outside, while dynamo traces)
                 x_fp8, x_t = cast_operand(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
-                                          "fwd_inp", transpose=need_wgrad)
+                                          "fwd_inp", transpose=need_wgrad and fp8_backward)
                 w_fp8, w_t = call.weight_ops
+            else:
+                (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state,
+                                                              i, gemm, fmt.dtype_fwd,
+                                                              need_wgrad and fp8_backward,
+                                                              need_dgrad and fp8_backward)
             y = _gemm(x_fp8, w_fp8, call.out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
-        (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
-        (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
-        ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
+        ctx.override = override
+        if fp8_backward:
+            (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
+            (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
+            ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
+        else:       # NOTE [Backward override] in backward_override.py
+            x_kept, w_kept = operands_to_save(override, x, weight, x_fp8, w_fp8, need_dgrad,
+                                              need_wgrad)
+            ctx.save_for_backward(*_saved_any(x_kept, "x_kind", ctx),
+                                  *_saved_any(w_kept, "w_kind", ctx))
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.main_grad_weight = weight if call.fuse_wgrad else None
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.grad_handoff = call.grad_handoff
+        if call.grad_handoff is not None:
+            call.grad_handoff.needs = (need_dgrad, need_wgrad,
+                                       ctx.bias_dtype if ctx.needs_input_grad[2] else None)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        if ctx.override is not None:
+            return _override_backward(ctx, dy)
         x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv = ctx.saved_tensors
         plan: ForwardPlan = ctx.plan
         fmt = plan.recipe.fp8_format.value
         state = ctx.fp8_meta["scaling_bwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.BWD_TENSORS_PER_GEMM * ctx.gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        handoff, handed = ctx.grad_handoff, None
+        if handoff is not None and handoff.grad is not None:
+            handed, handoff.grad = handoff.grad, None
         with no_autocast(dy.device.type):
-            dy = dy.contiguous()
-            # The amax of dy is recorded even when only dbias is needed.
-            dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
-                                 data=need_dgrad or not need_wgrad, transpose=need_wgrad)
+            if handed is not None:      # dy is the unwritten edge; its FP8 copies are here
+                dy_fp8, dy_t, handed_dbias = handed
+            else:
+                dy = dy.contiguous()
+                # The amax of dy is recorded even when only dbias is needed.
+                dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
+                                            data=need_dgrad or not need_wgrad,
+                                            transpose=need_wgrad)
             dgrad = wgrad = dbias = None
             if need_dgrad:
                 w_t = _restored(ctx.w_t_kind, w_t_data, w_t_scale_inv)
@@ -139,10 +174,10 @@ class _FP8LinearFunction(torch.autograd.Function):
                 else:       # NOTE [Fused wgrad accumulation] in main_grad.py
                     wgrad = accumulate_into_main_grad(
                         ctx.main_grad_weight, _gemm(dy_t, x_t, torch.float32, fast_accum=fast))
-            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-                # float32 accumulation (torch's for 16-bit sums too), rounded once
-                dbias = (dy.sum(0) if dy.dtype == ctx.bias_dtype
-                         else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
+            if handed is None:
+                dbias = _dbias(ctx, dy)
+            elif ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                dbias = handed_dbias
         if plan.session is not None:
             request_backward_update(plan.session)
         elif plan.bwd_update_gemm == ctx.gemm:      # NOTE [torch.compile]
@@ -150,16 +185,55 @@ class _FP8LinearFunction(torch.autograd.Function):
         return dgrad, wgrad, dbias, None
 
 
+def _dbias(ctx, dy: torch.Tensor) -> Optional[torch.Tensor]:
+    """The bias gradient: float32 accumulation (torch's for 16-bit sums too), rounded once."""
+    if ctx.bias_dtype is None or not ctx.needs_input_grad[2]:
+        return None
+    return (dy.sum(0) if dy.dtype == ctx.bias_dtype
+            else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
+
+
+def _saved_any(operand, kind_name: str, ctx):
+    """Two saved-tensor slots for an operand kept by a backward override: a plain
+    tensor (and None), or an FP8 operand's data and ``scale_inv`` (`_saved`)."""
+    if isinstance(operand, torch.Tensor):
+        setattr(ctx, kind_name, torch.Tensor)
+        return operand, None
+    pair, kind = _saved(operand)
+    setattr(ctx, kind_name, kind)
+    return pair
+
+
+def _restored_any(kind, first, second):
+    if kind is torch.Tensor or kind is None:
+        return first
+    return _restored(kind, first, second)
+
+
+def _override_backward(ctx, dy: torch.Tensor):
+    """NOTE [Backward override] in backward_override.py: no FP8 in the backward."""
+    x_a, x_b, w_a, w_b = ctx.saved_tensors
+    with no_autocast(dy.device.type):
+        dy = dy.contiguous()
+        dgrad, wgrad = override_grads(dy, _restored_any(ctx.x_kind, x_a, x_b),
+                                      _restored_any(ctx.w_kind, w_a, w_b), ctx.x_dtype,
+                                      ctx.w_dtype, ctx.main_grad_weight)
+        dbias = _dbias(ctx, dy)
+    return dgrad, wgrad, dbias, None
+
+
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                plan: ForwardPlan, fp8_meta: dict, gemm: int = 0,
                fuse_wgrad_accumulation: bool = False, input_name: str = "input",
-               weight_name: str = "weight") -> torch.Tensor:
+               weight_name: str = "weight", input_fp8=None, grad_handoff=None) -> torch.Tensor:
     """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
     slots in the module's scaling state. ``fuse_wgrad_accumulation``: the wgrad goes
     into ``weight.main_grad`` (NOTE [Fused wgrad accumulation] in main_grad.py).
     ``input_name`` / ``weight_name`` name the tensors in a shape error (NOTE [FP8
-    shapes] in fp8_shapes.py)."""
+    shapes] in fp8_shapes.py). ``input_fp8`` / ``grad_handoff``: the input's FP8 copies
+    made by its producer, the output gradient's made by the next layer's backward
+    (FP8 only; NOTE [Fused producers] in fused_producers.py)."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
@@ -191,7 +265,8 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             and not plan.recipe.float8_block_scaling():
         quantize.check_fp8_matrix(api, input_name, x.shape)
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
-    call = (_LinearCall(plan, fp8_meta, gemm, out_dtype, fuse_wgrad_accumulation)
+    call = (_LinearCall(plan, fp8_meta, gemm, out_dtype, fuse_wgrad_accumulation, input_fp8,
+                        grad_handoff)
             if not plan.traced else _traced_call(plan, fp8_meta, gemm, out_dtype,
                                                  fuse_wgrad_accumulation, x2d, weight))
     y = _FP8LinearFunction.apply(x2d, weight, bias, call)
@@ -208,12 +283,13 @@ def _traced_call(plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.
     weight_ops = None
     if plan.is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
         dtype = plan.recipe.fp8_format.value.dtype_fwd
-        need_dgrad = torch.is_grad_enabled() and x2d.requires_grad
+        need_dgrad = (torch.is_grad_enabled() and x2d.requires_grad
+                      and backward_override(plan.recipe) is None)
         index = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm + 1
         with no_autocast(x2d.device.type):
             weight_ops = fp8_weight(weight, plan, fp8_meta, plan.fwd_state, index, gemm, dtype,
                                     need_dgrad)
-    return _LinearCall(plan, meta, gemm, out_dtype, fuse_wgrad, weight_ops)
+    return _LinearCall(plan, meta, gemm, out_dtype, fuse_wgrad, weight_ops=weight_ops)
 
 
 
@@ -359,6 +435,7 @@ class Linear(TransformerEngineBaseModule):
                                save_original_input=(self.save_original_input, False))
         if not torch.is_tensor(inp):
             raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
+        inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         with self.prepare_forward(inp, is_first_microbatch) as plan:
             weight = joined_parameter(self, self.weight_names)
             bias = joined_parameter(self, self.bias_names)

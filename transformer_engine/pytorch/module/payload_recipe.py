@@ -1,7 +1,8 @@
 """The recipe inside an FP8 extra-state payload (NOTE [FP8 extra state payload] in
-extra_state.py): written as plain fields, and read back only as a recipe rebuilt
-through its own constructor and validation, from fields checked one by one;
-`InvalidPayload` says why a payload was refused."""
+extra_state.py): written as a fresh recipe object, and read back only as a recipe
+rebuilt through its own constructor and validation, from fields checked one by one
+(a `Record` of NOTE [Payload unpickler] in payload_pickle.py, or the plain fields of
+this package's earlier layout)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from typing import Optional
 from ...common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                                MMParams, QParams, Recipe)
 from ...common.recipe import GEMM_FIELDS, QUANT_FIELDS
+from .payload_pickle import InvalidPayload, Record, RecordSpec, describe
 
-__all__ = ["InvalidPayload", "RECIPE_CLASSES", "recipe_to_dict", "recipe_fields",
-           "check_recipe", "describe"]
+__all__ = ["InvalidPayload", "RECIPE_CLASSES", "RECORD_SPECS", "recipe_to_dict",
+           "recipe_from_record", "check_recipe", "describe"]
 
-_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha")
+_STATELESS_FIELDS = ("fp8_format",) + QUANT_FIELDS + GEMM_FIELDS + ("fp8_dpa", "fp8_mha",
+                                                                  "backward_override")
 _BLOCK_DIM_FIELDS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
 _RECIPE_FIELDS = {
     "DelayedScaling": frozenset(("type", "margin", "fp8_format", "amax_history_len",
-                                 "amax_compute_algo", "reduce_amax")),
+                                 "amax_compute_algo", "reduce_amax", "fp8_dpa", "fp8_mha")),
     "Float8CurrentScaling": frozenset(("type",) + _STATELESS_FIELDS),
     "Float8BlockScaling": frozenset(("type",) + _STATELESS_FIELDS + _BLOCK_DIM_FIELDS),
 }
@@ -28,67 +31,122 @@ RECIPE_CLASSES = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Floa
 _PARAMS_CLASSES = dict.fromkeys(QUANT_FIELDS, QParams) | dict.fromkeys(GEMM_FIELDS, MMParams)
 _STR_AMAX_ALGOS = ("max", "most_recent")
 
-
-class InvalidPayload(ValueError):
-    """Why a payload was refused (the caller adds which module refused it)."""
+# NOTE [Recipes NVIDIA's TE pickled]
+#     TE's extra state pickles its recipe objects; their classes have this package's
+#     names and module (``transformer_engine.common.recipe``), and a Format is pickled
+#     by its (max_fwd, max_bwd) value. TE's objects may hold fields this package's
+#     classes lack, accepted where they mean what this package does: the deprecated
+#     ``interval`` (ignored by TE 2 too), the NVFP4 options of QParams off, and the
+#     switches TE's stateless recipes derive their QParams from
+#     (``use_power_2_scales``, ``use_f32_scales``); any other value is refused as not
+#     implemented. ``backward_override`` is read as the recipes' own field (a
+#     DelayedScaling's only at None), its default where a payload lacks it.
+_ANY = object()
+_TE_ONLY_FIELDS = {
+    "DelayedScaling": {"interval": _ANY, "backward_override": None},
+    "Float8CurrentScaling": {"use_power_2_scales": bool},
+    "Float8BlockScaling": {"use_f32_scales": bool},
+    "QParams": {"random_hadamard_transform": False, "stochastic_rounding": False,
+                "fp4_2d_quantization": False},
+    "MMParams": {},
+}
+_CLASSES = dict(RECIPE_CLASSES, QParams=QParams, MMParams=MMParams)
+RECORD_SPECS = {name: RecordSpec(name, frozenset(f.name for f in dataclasses.fields(cls))
+                                 | frozenset(_TE_ONLY_FIELDS[name]))
+                for name, cls in _CLASSES.items()}
 
 
 def recipe_to_dict(recipe: Optional[Recipe]):
-    """A recipe as plain data; None for a recipe with a callable algorithm."""
+    """A recipe as the plain fields `check_recipe` takes; None for a recipe with a
+    callable algorithm (not saved: the autocast's recipe is adopted at the next
+    forward)."""
     if recipe is None:
         return None
     if isinstance(recipe, DelayedScaling) and (callable(recipe.amax_compute_algo)
                                                or recipe.scaling_factor_compute_algo is not None):
         return None
-    if not isinstance(recipe, tuple(RECIPE_CLASSES.values())):
-        raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
-    return recipe_fields(recipe)
-
-
-def recipe_fields(recipe) -> dict:
-    """A recipe's fields as `check_recipe` takes them. For an unpickled recipe (built
-    without its constructor) every field is checked again there; a callable cannot
-    come from a payload."""
     # by isinstance: clients subclass the recipes (Megatron's TEDelayedScaling)
-    kind = next(name for name, cls in RECIPE_CLASSES.items() if isinstance(recipe, cls))
+    kind = next((name for name, cls in RECIPE_CLASSES.items() if isinstance(recipe, cls)), None)
+    if kind is None:
+        raise TypeError(f"get_extra_state: unknown recipe type {type(recipe).__name__}")
     fields = {"type": kind}
-    _check_foreign_fields("recipe", recipe)
-    try:
-        if kind == "DelayedScaling" and recipe.scaling_factor_compute_algo is not None:
-            raise InvalidPayload("recipe: scaling_factor_compute_algo must be None (a "
-                                 "callable cannot come from a payload)")
-        for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
-            value = getattr(recipe, name)
-            if name in _PARAMS_CLASSES and dataclasses.is_dataclass(value):
-                _check_foreign_fields(f"recipe: {name}", value)
-                value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-            fields[name] = value.name if isinstance(value, Format) else value
-    except AttributeError as err:
-        raise InvalidPayload(f"recipe: a {kind} without a field ({err})") from None
+    for name in sorted(_RECIPE_FIELDS[kind] - {"type"}):
+        value = getattr(recipe, name)
+        if name in _PARAMS_CLASSES:
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        fields[name] = value.name if isinstance(value, Format) else value
     return fields
 
 
-# NOTE [Recipes NVIDIA's TE pickled]
-#     TE's extra state pickles its recipe objects; their classes have this package's
-#     names and modules (QParams and MMParams are looked up in recipe too), and a
-#     Format pickled by TE's (max_fwd, max_bwd) value finds its member (Format._missing_).
-#     Such an object may hold fields this package's class lacks: TE's deprecated
-#     ``interval`` (ignored by TE 2 too) is dropped, the NVFP4 options of QParams are
-#     accepted at their default (off); any other field, or those options on, is refused.
-_FOREIGN_FIELDS = {"interval": None, "random_hadamard_transform": False,
-                   "stochastic_rounding": False, "fp4_2d_quantization": False}
+def recipe_from_record(record) -> Recipe:
+    """The recipe a payload's `Record` describes, rebuilt through `check_recipe`;
+    fields it lacks take the class's defaults (NOTE [Recipes NVIDIA's TE pickled])."""
+    if not isinstance(record, Record) or record.spec.name not in RECIPE_CLASSES:
+        raise InvalidPayload(f"recipe: expected None or a DelayedScaling, Float8CurrentScaling "
+                             f"or Float8BlockScaling, got {describe(record)}")
+    kind = record.spec.name
+    fields = _own_fields("recipe", record)
+    if kind == "DelayedScaling":
+        if fields.pop("scaling_factor_compute_algo", None) is not None:
+            raise InvalidPayload("recipe: scaling_factor_compute_algo must be None (a "
+                                 "callable cannot come from a payload)")
+        olp = fields.pop("override_linear_precision", (False, False, False))
+        if not (type(olp) is tuple and len(olp) == 3 and all(v is False for v in olp)):
+            raise InvalidPayload(f"recipe: override_linear_precision={describe(olp, 40)} (a "
+                                 "GEMM in high precision inside FP8) is not implemented by "
+                                 "this package")
+    derived = _derived_qparams(record)
+    default = RECIPE_CLASSES[kind]()
+    data = {"type": kind}
+    for name in _RECIPE_FIELDS[kind] - {"type"}:
+        if name in fields:
+            value = fields[name]
+        elif name in QUANT_FIELDS and derived is not None:
+            value = derived
+        else:
+            value = getattr(default, name)
+        if isinstance(value, Record) and name in _PARAMS_CLASSES \
+                and value.spec.name == _PARAMS_CLASSES[name].__name__:
+            value = _params_fields(f"recipe: {name}", value)
+        elif isinstance(value, (QParams, MMParams)):
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        data[name] = value.name if isinstance(value, Format) else value
+    return check_recipe(data)
 
 
-def _check_foreign_fields(what: str, obj) -> None:
-    own = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
-    for name, value in vars(obj).items():
-        if name in own or name.startswith("_"):
+def _own_fields(what: str, record: Record) -> dict:
+    """The record's fields this package's class has; TE's own fields checked (NOTE
+    [Recipes NVIDIA's TE pickled]) and dropped."""
+    fields = dict(record.fields)
+    for name, expected in _TE_ONLY_FIELDS[record.spec.name].items():
+        if name not in fields:
             continue
-        if name not in _FOREIGN_FIELDS or (_FOREIGN_FIELDS[name] is not None
-                                           and value != _FOREIGN_FIELDS[name]):
-            raise InvalidPayload(f"{what}: {type(obj).__name__}.{name}={describe(value)} is "
+        value = fields.pop(name)
+        if expected is _ANY:
+            continue
+        if not (isinstance(value, bool) if expected is bool else value is expected):
+            raise InvalidPayload(f"{what}: {record.spec.name}.{name}={describe(value, 40)} is "
                                  "not implemented by this package")
+    return fields
 
+
+def _derived_qparams(record: Record) -> Optional[dict]:
+    """The QParams TE's stateless recipes derive from their switch, for the QParams
+    fields TE does not pickle."""
+    fields = record.fields
+    if "use_power_2_scales" in fields:
+        return {"power_2_scale": fields["use_power_2_scales"], "amax_epsilon": 0.0}
+    if "use_f32_scales" in fields:
+        return {"power_2_scale": not fields["use_f32_scales"], "amax_epsilon": 0.0}
+    return None
+
+
+def _params_fields(what: str, record: Record) -> dict:
+    cls = _CLASSES[record.spec.name]
+    fields = _own_fields(what, record)
+    for f in dataclasses.fields(cls):
+        fields.setdefault(f.name, f.default)
+    return fields
 
 
 def check_recipe(data) -> Optional[Recipe]:
@@ -101,10 +159,11 @@ def check_recipe(data) -> Optional[Recipe]:
     kind = data["type"]
     allowed = _RECIPE_FIELDS[kind]
     # a stateless recipe's missing fields take their defaults (older payloads)
-    required = allowed if kind == "DelayedScaling" else {"type", "fp8_format"}
+    required = allowed - {"fp8_dpa", "fp8_mha"} if kind == "DelayedScaling" \
+        else {"type", "fp8_format"}
     if not required <= set(data) <= allowed:
         raise InvalidPayload(f"recipe: a {kind} has the fields {sorted(allowed)}, "
-                             f"got {sorted(map(str, data))}")
+                             f"got {describe(sorted(map(str, data)), 300)}")
     fields = {k: v for k, v in data.items() if k != "type"}
     for name, cls in _PARAMS_CLASSES.items():
         if name in fields:
@@ -119,10 +178,23 @@ def check_recipe(data) -> Optional[Recipe]:
     if not (isinstance(algo, str) and algo in _STR_AMAX_ALGOS):
         raise InvalidPayload(f"recipe: amax_compute_algo must be one of {_STR_AMAX_ALGOS}, "
                              f"got {describe(algo)}")
+    _check_leaves(fields)
     try:
         return RECIPE_CLASSES[kind](**fields)
-    except (TypeError, ValueError) as err:
-        raise InvalidPayload(f"recipe: {err}") from None
+    except (TypeError, ValueError, NotImplementedError) as err:
+        raise InvalidPayload(f"recipe: {str(err)[:300]}") from None
+
+
+_LEAF_TYPES = (type(None), bool, int, float, str, Format, QParams, MMParams)
+
+
+def _check_leaves(fields: dict, prefix: str = "") -> None:
+    """Every field a plain value, so that the recipe's own checks (which repr what
+    they refuse) stay cheap."""
+    for name, value in fields.items():
+        if not isinstance(value, _LEAF_TYPES):
+            raise InvalidPayload(f"recipe: {prefix}{name} must be a number, a bool, a string, "
+                                 f"None or a Format, got {describe(value)}")
 
 
 def _check_params(name: str, cls, data):
@@ -131,12 +203,8 @@ def _check_params(name: str, cls, data):
     if not isinstance(data, dict) or set(data) != names:
         raise InvalidPayload(f"recipe: {name} must be a dict with keys {sorted(names)}, got "
                              f"{describe(data)}")
+    _check_leaves(data, f"{name}.")
     try:
         return cls(**data)
     except (TypeError, ValueError) as err:
-        raise InvalidPayload(f"recipe: {name}: {err}") from None
-
-
-def describe(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+        raise InvalidPayload(f"recipe: {name}: {str(err)[:300]}") from None

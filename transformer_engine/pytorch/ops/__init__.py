@@ -1,4 +1,4 @@
-"""``te.pytorch.ops``: the names of TE's fusible-operations API, none of them usable.
+"""``te.pytorch.ops``: the names of TE's fusible-operations API, all but one unusable.
 
 TE's fusible operations (``te.ops.Sequential`` of ``BasicLinear``, ``Bias``,
 activations, norms and collectives, fused at run time) are not implemented by this
@@ -7,15 +7,20 @@ defined: Megatron-LM's class bodies and annotations name ``te.pytorch.ops.Sequen
 and the operations below, and only build them with its op-fuser option on. Every class
 here is a real ``torch.nn.Module`` subclass, so ``isinstance`` and annotations work, and
 every constructor raises ``NotImplementedError``: nothing can build an operation that
-would silently compute something else.
+would silently compute something else. The exception is ``L2Normalization``
+(``ops.basic.l2normalization``), a parameter-free module that `MultiheadAttention`
+builds for ``qk_norm_type="L2Normalization"``.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["FusibleOperation", "Sequential", "BasicLinear", "Bias", "GELU", "GEGLU", "ReLU",
-           "ReGLU", "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce", "ReduceScatter"]
+from .basic import L2Normalization
+
+__all__ = ["L2Normalization", "FusibleOperation", "Sequential", "BasicLinear", "Bias", "GELU",
+           "GEGLU", "ReLU", "ReGLU", "SiLU", "SwiGLU", "LayerNorm", "RMSNorm", "AllReduce",
+           "ReduceScatter", "MakeExtraOutput"]
 
 
 def _refuse(name: str):
@@ -85,3 +90,8 @@ class AllReduce(FusibleOperation):
 
 class ReduceScatter(FusibleOperation):
     """TE's reduce-scatter operation over a process group; not constructible here."""
+
+
+class MakeExtraOutput(FusibleOperation):
+    """TE's operation that forks its input into an extra output (Megatron-LM's fused
+    residual RMSNorm); not constructible here."""

@@ -2,14 +2,19 @@
 
 A `QuantizedTensor` is a ``torch.Tensor`` that stores its values quantized and
 behaves, to every torch op, as its dequantized value in its nominal ``dtype``
-(NOTE [Quantized tensor semantics] in float8_tensor.py). The one kind this package
-creates is `Float8Tensor`: the FP8 primary weights that modules built under
-``te.quantized_model_init(enabled=True)`` hold. Clients (Megatron-LM's
-``fp8_utils``) import ``QuantizedTensor`` to ask whether a parameter is one.
+(NOTE [Quantized tensor semantics] in quantized_tensor.py). This package makes two
+kinds, the FP8 primary weights of modules built under
+``te.quantized_model_init(enabled=True)``: `Float8Tensor` (one scale per tensor:
+DelayedScaling, Float8CurrentScaling) and `Float8BlockwiseQTensor` (one scale per
+block: Float8BlockScaling). Clients (Megatron-LM's ``fp8_utils``) import
+``QuantizedTensor`` to ask whether a parameter is one.
 """
 
 from __future__ import annotations
 
-from .float8_tensor import Float8Tensor, QuantizedTensor
+from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
+from .float8_tensor import Float8Tensor
+from .quantized_tensor import QuantizedTensor, Quantizer
 
-__all__ = ["QuantizedTensor", "Float8Tensor"]
+__all__ = ["QuantizedTensor", "Quantizer", "Float8Tensor", "Float8BlockwiseQTensor",
+           "Float8BlockQuantizer"]

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run NVIDIA's TE tests/pytorch files against this package on the GPU machine and
+# write per-file counts (results.json) and a failure summary (summary.md) to <out dir>.
+#   qa/te_yardstick/run.sh <path to TE tests/pytorch> <out dir> [test_file.py ...]
+# Environment: YARDSTICK_WORKERS (12), YARDSTICK_BUDGET_S (420),
+# YARDSTICK_TEST_TIMEOUT_S (120), PYTHON (python3). See README.md.
+set -u
+if [ $# -lt 2 ]; then
+    sed -n '2,6p' "$0"
+    exit 2
+fi
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PY="${PYTHON:-python3}"
+exec "$PY" "$HERE/run.py" "$@"
