@@ -1,5 +1,6 @@
 """Training throughput of the example GPT (examples/pytorch/train_gpt.py) in FP8 and
-in BF16, eager and with ``--cuda-graphs``, at two model widths.
+in BF16, eager and with ``--cuda-graphs`` (or ``--compiled``: with ``--compile``), at
+two model widths.
 
 One command (on a Hopper GPU, from the repository root)::
 
@@ -8,7 +9,8 @@ One command (on a Hopper GPU, from the repository root)::
 For each hidden size of ``--hiddens`` (``--layers`` layers, ``--heads`` heads, every
 layer checkpointed, dropout as train_gpt.py's default) it trains ``--steps`` steps
 with ``train_gpt.train`` four ways: FP8 (the middle layers; the rest in BF16) and BF16,
-each eager and graphed. A step is timed from the batch to ``loss.item()`` (the optimizer
+each eager and graphed (with ``--compiled``: eager and compiled, the layer function
+under ``torch.compile(fullgraph=True)``). A step is timed from the batch to ``loss.item()`` (the optimizer
 step included, validation not); tokens/s is taken from the median step time over the
 steps after the first ``--skip`` (compilation and autotuning), and the time to capture
 the graphs is reported apart. Other train_gpt.py flags (``--batch``, ``--seq-len``,
@@ -33,10 +35,15 @@ from train_gpt import build_parser, describe, train  # noqa: E402
 CONFIGS = {"fp8": dict(fp8=True, bf16=True), "bf16": dict(fp8=False, bf16=True)}
 
 
-def run(args, hidden: int, precision: str, graphs: bool, skip: int) -> dict:
+def run(args, hidden: int, precision: str, graphs: bool, skip: int,
+        compiled: bool = False) -> dict:
+    """``graphs``: the second way of the comparison, CUDA graphs or (``compiled``)
+    torch.compile."""
     config = argparse.Namespace(**{**vars(args), **CONFIGS[precision], "hidden": hidden,
-                                   "cuda_graphs": graphs})
+                                   "cuda_graphs": graphs and not compiled,
+                                   "compile": graphs and compiled})
     torch.cuda.empty_cache()
+    torch._dynamo.reset()
     _, log = train(config)
     steady = log["step_seconds"][skip:] or log["step_seconds"]
     step_s = statistics.median(steady)
@@ -56,23 +63,27 @@ def main(argv=None):
     parser.add_argument("--hiddens", default="512,1024", help="comma-separated hidden sizes")
     parser.add_argument("--skip", type=int, default=5, help="steps left out of the median")
     add_out_argument(parser)
+    parser.add_argument("--compiled", action="store_true",
+                        help="compare eager with --compile instead of --cuda-graphs")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_train_gpt.py: needs a CUDA GPU")
     hiddens = [int(h) for h in args.hiddens.split(",") if h]
-    out, skip = args.out, args.skip
-    for name in ("hiddens", "skip", "out"):
+    out, skip, compiled = args.out, args.skip, args.compiled
+    for name in ("hiddens", "skip", "out", "compiled"):
         delattr(args, name)
+    name = "bench_train_gpt_compiled" if compiled else "bench_train_gpt"
+    second = "compiled" if compiled else "graphed"
     result = {"env": environment(), "args": vars(args), "hiddens": hiddens, "runs": []}
     for hidden in hiddens:
         for precision in CONFIGS:
             for graphs in (False, True):
-                r = run(args, hidden, precision, graphs, skip)
+                r = run(args, hidden, precision, graphs, skip, compiled)
                 result["runs"].append(r)
                 print(f"  hidden {hidden} {r['label']}: {r['tokens_per_s']:,.0f} tokens/s, "
                       f"{r['median_step_ms']:.2f} ms/step", flush=True)
-                write_json(result, "bench_train_gpt", out)        # keep partial results
-    path = write_json(result, "bench_train_gpt", out)
+                write_json(result, name, out)        # keep partial results
+    path = write_json(result, name, out)
     rows = []
     for hidden in hiddens:
         runs = {(r["precision"], r["cuda_graphs"]): r for r in result["runs"] if r["hidden"] == hidden}
@@ -82,13 +93,14 @@ def main(argv=None):
                          f"{graphed['tokens_per_s']:,.0f}",
                          f"{graphed['tokens_per_s'] / eager['tokens_per_s']:.2f}",
                          f"{graphed['tokens_per_s'] / runs[('bf16', True)]['tokens_per_s']:.2f}",
-                         f"{graphed['capture_seconds']:.1f}",
+                         f"{graphed['capture_seconds'] or 0:.1f}",
                          f"{eager['final_val_loss']:.4f} / {graphed['final_val_loss']:.4f}"])
     print(f"\nexample GPT, {args.layers} layers, {args.heads} heads, batch {args.batch} x seq "
           f"{args.seq_len}, {args.steps} steps, {result['env']['card']}, torch "
           f"{result['env']['torch']}: tokens/s from the median step")
-    print(table(rows, ["hidden", "precision", "eager tok/s", "graphed tok/s", "graphed/eager",
-                       "graphed / bf16 graphed", "capture s", "val loss eager / graphed"]))
+    print(table(rows, ["hidden", "precision", "eager tok/s", f"{second} tok/s",
+                       f"{second}/eager", f"{second} / bf16 {second}", "capture s",
+                       f"val loss eager / {second}"]))
     print(f"wrote {path}")
 
 

@@ -50,6 +50,7 @@ TESTS=(
     tests/pytorch/test_layer_variants.py
     tests/pytorch/test_triton_kernels.py
     tests/pytorch/test_fused_producers.py
+    tests/pytorch/test_torch_compile.py
     tests/pytorch/test_train_gpt.py
     tests/pytorch/test_package_identity.py
     tests/pytorch/test_public_paths.py

@@ -10,6 +10,7 @@ scaling. The text is this Python's standard library source, one byte per token.
     python examples/pytorch/train_gpt.py                       # FP8, checkpointed
     python examples/pytorch/train_gpt.py --no-fp8              # the FP32 baseline
     python examples/pytorch/train_gpt.py --device cuda --bf16 --cuda-graphs
+    python examples/pytorch/train_gpt.py --device cuda --bf16 --compile
     torchrun --nproc-per-node 2 examples/pytorch/train_gpt.py  # data-parallel (DDP)
 
 Under torchrun every rank trains on its own batches and the FP8 amaxes are reduced
@@ -17,6 +18,9 @@ Under torchrun every rank trains on its own batches and the FP8 amaxes are reduc
 With ``--cuda-graphs`` (one CUDA process) the model's forward and backward are
 captured once as CUDA graphs by ``te.make_graphed_callables`` and every step replays
 them (batch and sequence length are fixed); the loss and the optimizer step stay eager.
+With ``--compile`` the layer function (the one each checkpoint calls, with its
+``te.autocast`` inside) is compiled once by ``torch.compile(fullgraph=True)`` and shared
+by all layers; the embeddings, the head and the loss stay eager.
 compare_runs.py trains three configurations with ``train`` below and checks that
 FP8 with and without checkpointing give bit-identical results.
 """
@@ -73,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay each step's forward and backward as CUDA graphs (one CUDA process)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the layer function (fullgraph)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="the torch.compile backend of --compile (aot_eager: the eager ops, traced)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -106,6 +114,9 @@ def check_args(args) -> None:
         if size < needed:                           # training and validation windows
             raise ValueError(f"--data: {args.data} has {size} bytes; training needs at least "
                              f"20 x (--seq-len + 1) = {needed}")
+    if getattr(args, "compile", False) and args.cuda_graphs:
+        raise ValueError("--compile and --cuda-graphs are two ways to cut the host time; "
+                         "pick one")
     if args.cuda_graphs and args.device != "cuda":
         raise ValueError(f"--cuda-graphs needs --device cuda (CUDA graphs capture GPU work), "
                          f"got --device {args.device}")
@@ -118,6 +129,9 @@ def check_args(args) -> None:
     if getattr(args, "fp8_weights", False) and world > 1:
         raise ValueError("--fp8-weights runs in one process (DistributedDataParallel is not "
                          "tested with FP8 weights); under torchrun leave it out")
+    if getattr(args, "compile", False) and world > 1:
+        raise ValueError("--compile runs in one process (torch.compile of the FP8 layers "
+                         "under DDP is not tested); under torchrun leave it out")
     if args.cuda_graphs and args.checkpoint and args.use_reentrant:
         raise ValueError("--cuda-graphs needs the non-reentrant checkpoint (its recompute is "
                          "captured in the backward graph); leave out --use-reentrant")
@@ -127,6 +141,7 @@ def describe(args) -> str:
     precision = ("FP8 + " if args.fp8 else "") + ("BF16" if args.bf16 else "FP32")
     weights = ", FP8 weights" if getattr(args, "fp8_weights", False) else ""
     graphs = ", CUDA graphs" if getattr(args, "cuda_graphs", False) else ""
+    graphs += ", compiled" if getattr(args, "compile", False) else ""
     return (f"{precision}{weights}, "
             f"{'checkpointed' if args.checkpoint else 'no checkpointing'}{graphs}")
 
@@ -185,6 +200,10 @@ class GPT(torch.nn.Module):
         # The amaxes are reduced over the data-parallel group: here, all ranks.
         self.amax_group = dist.group.WORLD if dist.is_initialized() else None
         self.checkpoint, self.use_reentrant = args.checkpoint, args.use_reentrant
+        # one compiled layer function for all layers (a graph per precision and phase)
+        self.layer_fn = (torch.compile(self.run_layer, fullgraph=True,
+                                       backend=getattr(args, "compile_backend", "inductor"))
+                         if getattr(args, "compile", False) else self.run_layer)
 
     def run_layer(self, layer, fp8, x):
         """One layer in its own precision; this is the function that is checkpointed."""
@@ -193,12 +212,13 @@ class GPT(torch.nn.Module):
 
     def forward(self, tokens):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = (self.tok_emb(tokens) + self.pos_emb(positions)).transpose(0, 1)  # [seq, batch, h]
+        # [seq, batch, h], laid out as such (every layer sees one layout: one compiled graph)
+        x = (self.tok_emb(tokens) + self.pos_emb(positions)).transpose(0, 1).contiguous()
         for layer, fp8 in zip(self.layers, self.layer_fp8):
             if self.checkpoint and torch.is_grad_enabled():
-                x = te.checkpoint(self.run_layer, layer, fp8, x, use_reentrant=self.use_reentrant)
+                x = te.checkpoint(self.layer_fn, layer, fp8, x, use_reentrant=self.use_reentrant)
             else:
-                x = self.run_layer(layer, fp8, x)
+                x = self.layer_fn(layer, fp8, x)
         return self.head(self.ln_f(x)).transpose(0, 1)                        # [batch, seq, vocab]
 
 

@@ -55,7 +55,8 @@ from .scaling import copy_before_write
 
 __all__ = ["AutocastSession", "update_sessions", "request_backward_update", "observe_registrations",
            "collect_backward_updates", "non_finite_counter", "non_finite_amax_count",
-           "reset_non_finite_amax_count"]
+           "reset_non_finite_amax_count", "compiled_counter", "make_compiled_counter",
+           "note_compiled_use", "update_states"]
 
 
 class _Observer(threading.local):
@@ -90,12 +91,20 @@ class _UpdateGroup:
 
 
 class AutocastSession:
-    """What one outermost autocast collected: the modules to update, by
-    (recipe, amax-reduction group)."""
+    """What one outermost autocast collected: the modules to update, by (recipe,
+    amax-reduction group). While dynamo traces, a session made in the trace
+    (``traced``) collects its module calls in ``entries`` for the graph's update at
+    the autocast's exit; an eager session also takes the calls of compiled functions
+    (``compiled_head``), for its forward update only (NOTE [torch.compile] in
+    torch_compile.py)."""
 
-    __slots__ = ("groups", "last", "requested_in", "__weakref__")
+    __slots__ = ("groups", "last", "requested_in", "traced", "entries", "compiled_head",
+                 "__weakref__")
 
-    def __init__(self):
+    def __init__(self, traced: bool = False):
+        self.traced = traced
+        self.entries: List[list] = []
+        self.compiled_head = None
         self.groups: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
         # the group the last registration went to (the recipe object and the group
         # are almost always the same ones for a whole autocast)
@@ -119,9 +128,30 @@ class AutocastSession:
             self.last = found
         found.metas.setdefault(id(fp8_meta), fp8_meta)
 
+    def forward_groups(self) -> List[_UpdateGroup]:
+        """The groups to update forward: the registered modules and those of compiled
+        calls (each module once)."""
+        head = self.compiled_head
+        if head is None:
+            return list(self.groups.values())
+        registrations = []
+        while head is not None:
+            registrations.append(head)
+            head = head.previous
+        merged = {key: _UpdateGroup(g.recipe, g.group) for key, g in self.groups.items()}
+        for key, g in self.groups.items():
+            merged[key].metas.update(g.metas)
+        for r in reversed(registrations):
+            key = (r.recipe, r.group)
+            target = merged.get(key)
+            if target is None:
+                target = merged[key] = _UpdateGroup(r.recipe, r.group)
+            target.metas.setdefault(id(r.fp8_meta), r.fp8_meta)
+        return list(merged.values())
+
     def discard_forward_amaxes(self) -> None:
         """Forget the live forward amaxes of an autocast that raised."""
-        for g in self.groups.values():
+        for g in self.forward_groups():
             states = [meta["scaling_fwd"] for meta in g.metas.values()]
             copy_before_write(states)
             for state in states:
@@ -132,19 +162,23 @@ def update_sessions(sessions: Sequence[AutocastSession], forward: bool) -> None:
     """Update the forward (or backward) states of the sessions' modules: one update
     per (recipe, group), each module once even when several sessions hold it."""
     if len(sessions) == 1:         # nothing to merge (no hash of the recipes' fields)
-        for g in sessions[0].groups.values():
-            _update_states(list(g.metas.values()), g.recipe, g.group, forward)
+        session = sessions[0]
+        groups = session.forward_groups() if forward else session.groups.values()
+        for g in groups:
+            update_states(list(g.metas.values()), g.recipe, g.group, forward)
         _NON_FINITE.warn_once_if_seen()
         return
     merged: Dict[Tuple[Recipe, Any], _UpdateGroup] = {}
     for session in sessions:
-        for key, g in session.groups.items():
+        groups = session.forward_groups() if forward else session.groups.values()
+        for g in groups:
+            key = (g.recipe, g.group)
             target = merged.get(key)
             if target is None:
                 merged[key] = target = _UpdateGroup(g.recipe, g.group)
             target.metas.update(g.metas)
     for g in merged.values():
-        _update_states(list(g.metas.values()), g.recipe, g.group, forward)
+        update_states(list(g.metas.values()), g.recipe, g.group, forward)
     _NON_FINITE.warn_once_if_seen()
 
 
@@ -155,13 +189,17 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _update_states(metas: List[dict], recipe: DelayedScaling, group, forward: bool) -> None:
+def update_states(metas: List[dict], recipe: DelayedScaling, group, forward: bool) -> None:
     """One delayed-scaling update of many modules' states, on concatenated buffers."""
     key = "scaling_fwd" if forward else "scaling_bwd"
     states = [m[key] for m in metas if m.get(key) is not None]
     if not states:
         return
-    copy_before_write(states)       # recompute stashes keep the values they saw
+    traced = torch.compiler.is_compiling()
+    if not traced:
+        # recompute stashes keep the values they saw (a compiled first forward stashes
+        # copies instead, NOTE [torch.compile] in torch_compile.py)
+        copy_before_write(states)
     if recipe.reduce_amax and _group_size(group) > 1:
         # one MAX all-reduce of every live row, copied back before the update
         lives = [s.amax_history[0] for s in states]
@@ -170,7 +208,8 @@ def _update_states(metas: List[dict], recipe: DelayedScaling, group, forward: bo
         torch._foreach_copy_(lives, list(live.split([t.numel() for t in lives])))
     spec = recipe.fp8_format.value
     max_value = spec.max_fwd if forward else spec.max_bwd
-    counter = _NON_FINITE.counter(states[0].scale.device)
+    device = states[0].scale.device
+    counter = compiled_counter(device, not forward) if traced else _NON_FINITE.counter(device)
     histories = [s.amax_history for s in states]
     scales = [s.scale for s in states]
     scale_invs = [s.scale_inv for s in states]
@@ -271,10 +310,16 @@ class collect_backward_updates:
 
 class _NonFiniteCounters:
     """Counts of non-finite amaxes, one device tensor per (device, thread) so that
-    threads never add into the same tensor, and the warn-once logic."""
+    threads never add into the same tensor, and the warn-once logic. Compiled code
+    adds into one counter per device (``compiled``, made eagerly before it is traced:
+    NOTE [torch.compile] in torch_compile.py)."""
 
     def __init__(self):
         self.counters: Dict[Tuple[torch.device, int], torch.Tensor] = {}
+        self.compiled: Dict[Tuple[torch.device, bool], torch.Tensor] = {}
+        # whether dynamo has traced a TE module (only then are the compiled-code
+        # counters read by the warn-once check, which costs a read each)
+        self.compiled_in_use = False
         self.lock = threading.Lock()
         # the calling thread's own counters by device: the casts' fast path, and all that
         # the check after this thread's updates reads (threads that are gone leave
@@ -305,14 +350,17 @@ class _NonFiniteCounters:
 
     def warn_once_if_seen(self) -> None:
         """Called after each update (not per cast): warn once if one of the calling
-        thread's counters is non-zero. A CUDA counter is read from a host copy made at
-        the previous call, once its event has completed, so this never waits for the
-        GPU."""
+        thread's counters (or a compiled-code counter) is non-zero. A CUDA counter is
+        read from a host copy made at the previous call, once its event has completed,
+        so this never waits for the GPU."""
         if self.warned:
             return
         ident = threading.get_ident()
-        for device, counter in list(self._mine().items()):
-            if self._seen((device, ident), counter):
+        mine = [((device, ident), counter) for device, counter in self._mine().items()]
+        if self.compiled_in_use:
+            mine += [(key + ("compiled",), counter) for key, counter in self.compiled.items()]
+        for key, counter in mine:
+            if self._seen(key, counter):
                 self.warned = True
                 warnings.warn("te.autocast: a NaN or infinite amax was seen (an input, "
                               "weight or gradient held NaN/inf); the affected FP8 scales were "
@@ -347,20 +395,64 @@ CUDA_CHECK_EVERY = 16
 _NON_FINITE = _NonFiniteCounters()
 
 
-def non_finite_counter(device: torch.device) -> torch.Tensor:
+def non_finite_counter(device: torch.device, backward: bool = False) -> torch.Tensor:
     """The calling thread's count of non-finite amaxes on ``device`` (an int32 scalar
-    tensor), into which current scaling adds at each cast (`quantize.current_scale`)."""
+    tensor), into which current scaling adds at each cast (`quantize.current_scale`);
+    while dynamo traces, the compiled-code counter of ``device`` for a cast in the
+    forward or (``backward``) the backward graph."""
+    if torch.compiler.is_compiling():
+        return compiled_counter(device, backward)
     return _NON_FINITE.counter(device)
+
+
+def make_compiled_counter(device) -> None:
+    """Make the counters that compiled code on ``device`` adds non-finite amaxes to, if
+    missing (eagerly: a graph cannot make them; the modules call this when built)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if (device, False) not in _NON_FINITE.compiled:
+        with _NON_FINITE.lock:
+            for backward in (False, True):
+                _NON_FINITE.compiled.setdefault(
+                    (device, backward), torch.zeros((), dtype=torch.int32, device=device))
+
+
+def compiled_counter(device: torch.device, backward: bool = False) -> torch.Tensor:
+    """The counter compiled code adds the non-finite amaxes it sees on ``device`` to:
+    one for forward graphs and one for backward graphs, so that a graph input is
+    written in one of them only (AOTAutograd would otherwise hand the backward the
+    forward's value, losing what other graphs added in between)."""
+    found = _NON_FINITE.compiled.get((device, backward))
+    if found is None:
+        raise RuntimeError(
+            f"torch.compile: no non-finite amax counter for {device} (TE modules make it "
+            "when they are built; build or move the module to this device before compiling)")
+    return found
+
+
+def note_compiled_use() -> bool:
+    """Called (for real) while dynamo traces a TE module: from now on the warn-once
+    check also reads the compiled-code counters."""
+    _NON_FINITE.compiled_in_use = True
+    return True
+
+
+note_compiled_use._dynamo_marked_constant = True     # run at trace time (torch_compile.py)
+
+
+def _all_counters() -> List[torch.Tensor]:
+    return list(_NON_FINITE.counters.values()) + list(_NON_FINITE.compiled.values())
 
 
 def non_finite_amax_count() -> int:
     """Non-finite amaxes seen so far, all devices (reads the device counters)."""
-    return sum(int(c.item()) for c in list(_NON_FINITE.counters.values()))
+    return sum(int(c.item()) for c in _all_counters())
 
 
 def reset_non_finite_amax_count() -> None:
     """Zero the counters and re-arm the warning."""
-    for c in list(_NON_FINITE.counters.values()):
+    for c in _all_counters():
         c.zero_()
     _NON_FINITE.copies.clear()
     _NON_FINITE.skips.clear()

@@ -146,14 +146,16 @@ def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int = 1,
 
 def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scale: bool,
                 amax_epsilon: float, rowwise: bool = True, columnwise: bool = False,
-                count_where: Optional[torch.Tensor] = None, count_non_finite: bool = True
+                count_where: Optional[torch.Tensor] = None, count_non_finite: bool = True,
+                backward: bool = False
                 ) -> Tuple[Optional[BlockScaledData], Optional[BlockScaledData]]:
     """``(rowwise, columnwise)`` copies of a 2-D ``x`` [R, C], each None unless asked
     for: ``rowwise`` [R, C] with blocks along C, ``columnwise`` [C, R] with blocks along
     R (NOTE [Block scaling layout]). A NaN or inf in ``x`` is counted once (NOTE
     [Non-finite amaxes] in amax_update.py); with ``count_where`` (a bool scalar
     tensor) only where it is True (a cast the device may discard); not at all with
-    ``count_non_finite=False`` (a recompute's cast)."""
+    ``count_non_finite=False`` (a recompute's cast). ``backward``: a cast of the
+    backward pass (which counter compiled code adds to, NOTE [torch.compile])."""
     row = col = None
     amaxes = None
     if rowwise or (columnwise and block_rows == BLOCK):
@@ -167,7 +169,7 @@ def cast_blocks(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_sc
         non_finite = ~torch.isfinite(amaxes.amax())
         if count_where is not None:
             non_finite = non_finite & count_where
-        non_finite_counter(amaxes.device).add_(non_finite)
+        non_finite_counter(amaxes.device, backward).add_(non_finite)
     return (row if rowwise else None), col
 
 
@@ -180,7 +182,7 @@ def cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype, rowwis
     q = getattr(recipe, "fp8_quant_" + role)
     block_rows = BLOCK if getattr(recipe, _ROLE_DIM_FIELDS[role]) == 2 else 1
     return cast_blocks(x, dtype, block_rows, q.power_2_scale, q.amax_epsilon, rowwise,
-                       columnwise, count_where, count_non_finite)
+                       columnwise, count_where, count_non_finite, backward=role == "bwd_grad")
 
 
 def block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtype,
@@ -274,9 +276,13 @@ def hardware_gemm_fits(a: BlockScaledData, b: BlockScaledData,
                                           out_dtype) is not None:
         return False
     index = data.device.index
-    if index not in _HOPPER:
-        _HOPPER[index] = torch.cuda.get_device_capability(data.device) == (9, 0)
-    return _HOPPER[index] and get_kernel_config().block_gemm == "hardware"
+    if torch.compiler.is_compiling():       # no cache written by a graph
+        hopper = torch.cuda.get_device_capability(data.device) == (9, 0)
+    else:
+        if index not in _HOPPER:
+            _HOPPER[index] = torch.cuda.get_device_capability(data.device) == (9, 0)
+        hopper = _HOPPER[index]
+    return hopper and get_kernel_config().block_gemm == "hardware"
 
 
 def padded_k(k: int, b_block_rows: int) -> int:

@@ -207,6 +207,11 @@ def checkpoint(function: Callable, *args, use_reentrant: bool = True,
     -------
     What ``function`` returns (tensors in nested tuples, lists and dicts included).
     """
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "te.checkpoint inside a function compiled with torch.compile is not supported "
+            "(its recompute runs Python in the backward pass); checkpoint the compiled "
+            "function instead: te.checkpoint(torch.compile(fn), *args)")
     if _legacy_positional_form(args):
         warnings.warn("te.checkpoint(function, distribute_saved_activations, "
                       "get_rng_state_tracker, tp_group, *args) is deprecated; pass these as "

@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ..common.recipe import DelayedScaling, Recipe, validated_copy
-from . import amax_update, quantize, recompute
+from . import amax_update, quantize, recompute, torch_compile
 from .amax_update import AutocastSession
 # quantized_model_init / fp8_model_init: TE's fp8 module has them too
 from .model_init import _MODEL_INIT, _ModelInitState, fp8_model_init, quantized_model_init
@@ -42,7 +42,10 @@ class _AutocastState:
 
 
 class _ThreadAutocast(threading.local):
-    state: _AutocastState = _AutocastState()
+    # set per thread (not a class default): compiled code reads it from the thread's
+    # own attributes (NOTE [torch.compile] in torch_compile.py)
+    def __init__(self):
+        self.state = _AutocastState()
 
 
 _THREAD = _ThreadAutocast()
@@ -57,7 +60,8 @@ class _SkipWeightUpdate:
 
 
 class _GraphWarmUp(threading.local):
-    active: bool = False
+    def __init__(self):
+        self.active = False
 
 
 _GRAPH_WARM_UP = _GraphWarmUp()
@@ -206,9 +210,14 @@ class FP8GlobalStateManager:
     # ---- autocast --------------------------------------------------------------
     @classmethod
     def fp8_autocast_enter(cls, enabled: bool, calibrating: bool, recipe: Recipe, group) -> None:
-        checked = validated_copy(recipe)
+        traced = torch.compiler.is_compiling()
+        if traced:      # a graph cannot change the recipe: no copy (NOTE [torch.compile])
+            recipe.validate()
+            checked = recipe
+        else:
+            checked = validated_copy(recipe)
         s = _THREAD.state
-        session = s.session if s.depth > 0 else AutocastSession()
+        session = s.session if s.depth > 0 else AutocastSession(traced)
         _THREAD.state = _AutocastState(enabled=enabled, calibrating=calibrating, recipe=recipe,
                                        checked_recipe=checked, group=group, depth=s.depth + 1,
                                        session=session)
@@ -298,7 +307,10 @@ def _check_autocast_args(api: str, enabled, calibrating, recipe, group_name: str
     if recipe is not None:
         # Fields may have been set since construction (NOTE [Recipe validation]).
         try:
-            validated_copy(recipe)
+            if torch.compiler.is_compiling():
+                recipe.validate()
+            else:
+                validated_copy(recipe)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{api}: {err}") from None
     if recipe is not None and (enabled or calibrating):
@@ -347,6 +359,13 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[R
     FP8GlobalStateManager.fp8_autocast_enter(enabled, calibrating, recipe, amax_reduction_group)
     session = FP8GlobalStateManager.current_session()
     outermost = saved.depth == 0
+    if outermost and session.traced:        # NOTE [torch.compile] in torch_compile.py
+        try:
+            yield
+            torch_compile.exit_traced_autocast(session, recompute.in_phase())
+        finally:
+            FP8GlobalStateManager.set_fp8_autocast_state(saved)
+        return
     try:
         yield
     except BaseException:

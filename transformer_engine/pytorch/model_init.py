@@ -28,7 +28,8 @@ class _ModelInitState:
 
 
 class _ThreadModelInit(threading.local):
-    state: _ModelInitState = _ModelInitState()
+    def __init__(self):
+        self.state = _ModelInitState()
 
 
 _MODEL_INIT = _ThreadModelInit()

@@ -81,8 +81,9 @@ def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES)
     ``KernelConfig.interpret`` (tests without a GPU)."""
     global _kernels_module
     if not ((x.is_cuda or (_INTERPRETER and get_kernel_config().interpret))
-            and x.dtype in dtypes and x.numel() > 0 and get_kernel_config().fused):
-        return None
+            and x.dtype in dtypes and x.numel() > 0 and get_kernel_config().fused) \
+            or torch.compiler.is_compiling():
+        return None         # compiled: the reference ops, for Inductor (NOTE [torch.compile])
     if _kernels_module is None:
         try:
             from .kernels import casts
@@ -204,9 +205,13 @@ def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                              index: int, amax_history: Optional[torch.Tensor], data: bool,
-                             transpose: bool) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
+                             transpose: bool, views=None
+                             ) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
     """`cast_transpose_to_fp8` without its argument checks, for the modules, which
-    build the arguments themselves (the host cost of a small step matters)."""
+    build the arguments themselves (the host cost of a small step matters).
+    ``views``: an object whose ``cast_views(index)`` gives ``(scale[index:index + 1],
+    amax_history[0, index])`` made once (`scaling.ScalingState`), for the reference
+    path."""
     kernels = fused_kernels(x)
     if kernels is not None and _fused_state_ok(x, scale, amax_history):
         q, q_t, scale_inv = kernels.cast_transpose(x, scale, dtype, index=index,
@@ -214,6 +219,12 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
                                                    data=data, transpose=transpose)
         return (Float8Data(q, scale_inv) if data else None,
                 Float8Data(q_t, scale_inv) if transpose else None)
+    if views is not None:
+        scale, slot = views.cast_views(index)
+        if amax_history is not None:
+            torch.maximum(slot, amax(x), out=slot)
+        q = _cast_reference(x, scale, dtype)
+        return (q if data else None), (transpose_fp8(q) if transpose else None)
     if amax_history is not None:
         slot = amax_history[0, index] if amax_history.dim() == 2 else amax_history[index]
         torch.maximum(slot, amax(x), out=slot)
@@ -227,7 +238,7 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
 
 def cast_pair_unchecked(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                         dtype: torch.dtype, index: int, amax_history: Optional[torch.Tensor],
-                        transpose_x: bool, transpose_w: bool):
+                        transpose_x: bool, transpose_w: bool, views=None):
     """`cast_transpose_unchecked` of a GEMM's two forward operands, ``x`` with
     ``scale[index]`` and ``w`` with ``scale[index + 1]`` (their amaxes into those
     slots): ``((x_fp8, x_fp8^T or None), (w_fp8, w_fp8^T or None))``. On CUDA one
@@ -240,9 +251,10 @@ def cast_pair_unchecked(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
             x, w, scale, dtype, index, index + 1, amax_history, transpose_x, transpose_w)
         return ((Float8Data(qx, inv_x), Float8Data(qx_t, inv_x) if transpose_x else None),
                 (Float8Data(qw, inv_w), Float8Data(qw_t, inv_w) if transpose_w else None))
-    return (cast_transpose_unchecked(x, scale, dtype, index, amax_history, True, transpose_x),
+    return (cast_transpose_unchecked(x, scale, dtype, index, amax_history, True, transpose_x,
+                                     views),
             cast_transpose_unchecked(w, scale, dtype, index + 1, amax_history, True,
-                                     transpose_w))
+                                     transpose_w, views))
 
 
 def current_scaling_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool,

@@ -81,6 +81,15 @@ class RecomputeStash(NamedTuple):
         return self.snapshot.state
 
 
+class _FixedSnapshot:
+    """A stash's forward state that is already a copy (made by a compiled forward)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: ScalingState):
+        self.state = state
+
+
 _LIVE_FRAMES: "weakref.WeakSet[RecomputeFrame]" = weakref.WeakSet()
 
 
@@ -88,9 +97,12 @@ class RecomputeFrame:
     """The stashes and module modes of one checkpoint call (NOTE [Recompute stashes])."""
 
     __slots__ = ("stashes", "metas", "cursor", "modes", "replaced_modes", "rng_graph_safe",
-                 "__weakref__")
+                 "compiled_head", "installed", "__weakref__")
 
     def __init__(self):
+        # stashes a compiled first forward linked here (NOTE [torch.compile]), newest first
+        self.compiled_head = None
+        self.installed: List[dict] = []
         self.stashes: Dict[int, List[RecomputeStash]] = {}
         self.metas: Dict[int, dict] = {}     # keeps each keyed fp8_meta (so its id) alive
         self.cursor: Dict[int, int] = {}
@@ -103,6 +115,8 @@ class RecomputeFrame:
         _LIVE_FRAMES.add(self)
 
     def add(self, fp8_meta: dict, entry: RecomputeStash) -> int:
+        if self.compiled_head is not None:
+            self._fold_compiled()
         key = id(fp8_meta)
         entries = self.stashes.get(key)
         if entries is None:
@@ -111,10 +125,32 @@ class RecomputeFrame:
         entries.append(entry)
         return len(entries) - 1
 
+    def _fold_compiled(self) -> None:
+        """Take in, in call order, the stashes compiled forwards linked to this frame."""
+        linked = []
+        head, self.compiled_head = self.compiled_head, None
+        while head is not None:
+            linked.append(head)
+            head = head.previous
+        for stash in reversed(linked):
+            self.add(stash.fp8_meta, RecomputeStash(_FixedSnapshot(stash.state), None, {}))
+
     def start_recompute(self) -> None:
+        """Rewind the stashes for a recompute, and put each module's stashed forward
+        states, in call order, on its ``fp8_meta``, where a compiled recompute reads them
+        (``"recompute_states"``, ``"recompute_cursor"``: NOTE [torch.compile])."""
+        if self.compiled_head is not None:
+            self._fold_compiled()
         self.cursor = {}
+        for key, entries in self.stashes.items():
+            meta = self.metas[key]
+            meta["recompute_states"] = [e.snapshot.state for e in entries]
+            meta["recompute_cursor"] = 0
+            self.installed.append(meta)
 
     def take(self, fp8_meta: dict) -> RecomputeStash:
+        if self.compiled_head is not None:
+            self._fold_compiled()
         key = id(fp8_meta)
         entries = self.stashes.get(key, [])
         position_ = self.cursor.get(key, 0)
@@ -142,12 +178,19 @@ class RecomputeFrame:
                 module.training = training
 
     def end_recompute(self) -> None:
-        """Put back the training flags this recompute changed."""
+        """Put back the training flags this recompute changed; take the stashed states
+        off the modules."""
         for module, training in self.replaced_modes.values():
             module.training = training
         self.replaced_modes = {}
+        for meta in self.installed:
+            meta.pop("recompute_states", None)
+            meta.pop("recompute_cursor", None)
+        self.installed = []
 
     def tensor_count(self) -> int:
+        if self.compiled_head is not None:
+            self._fold_compiled()
         return 3 * sum(len(v) for v in self.stashes.values())
 
 
@@ -166,7 +209,9 @@ class RecomputePosition:
 
 
 class _ThreadPosition(threading.local):
-    position: RecomputePosition = RecomputePosition()
+    # per thread, as fp8.py's autocast state (compiled code reads it)
+    def __init__(self):
+        self.position = RecomputePosition()
 
 
 _THREAD = _ThreadPosition()
@@ -208,7 +253,10 @@ _hook_handle = None
 
 def _record_module_mode(module: torch.nn.Module, _args) -> None:
     """Global forward pre-hook: the calling thread's recording frames note the
-    module's training flag."""
+    module's training flag. Module calls traced by torch.compile are not noted (the
+    graph is specialized on the flags: a recompute in another mode compiles anew)."""
+    if torch.compiler.is_compiling():
+        return
     frames = _THREAD.position.frames
     if not frames:
         return
@@ -222,21 +270,27 @@ def _record_module_mode(module: torch.nn.Module, _args) -> None:
 
 
 def _acquire_mode_hook() -> None:
+    """Register the module-mode hook for the first user. It goes back under the handle
+    it first had: torch.compile guards on the ids of the global hooks, and a new id
+    at every checkpoint call would make it compile again at each."""
     global _hook_users, _hook_handle
     with _HOOK_LOCK:
         if _hook_users == 0:
-            _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(
-                _record_module_mode)
+            hooks = None if _hook_handle is None else _hook_handle.hooks_dict_ref()
+            if hooks is None:
+                _hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                    _record_module_mode)
+            else:
+                hooks[_hook_handle.id] = _record_module_mode
         _hook_users += 1
 
 
 def _release_mode_hook() -> None:
-    global _hook_users, _hook_handle
+    global _hook_users
     with _HOOK_LOCK:
         _hook_users -= 1
         if _hook_users == 0:
-            _hook_handle.remove()
-            _hook_handle = None
+            _hook_handle.remove()       # (kept for its id)
 
 
 def mode_hook_users() -> int:

@@ -55,8 +55,21 @@ class ScalingState:
 
     def record_amax(self, index: int, amax_value: torch.Tensor) -> None:
         """Fold an amax into the live row (max with what this step already saw)."""
-        live = self.amax_history[0, index]
+        live = (self.amax_history[0, index] if torch.compiler.is_compiling()
+                else self.cast_views(index)[1])
         torch.maximum(live, amax_value, out=live)
+
+    def cast_views(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(scale[index:index + 1], amax_history[0, index])``: views made at the first
+        call for ``index`` and kept (the tensors change in place; a view costs host time
+        on every cast). Made anew if ``scale`` or ``amax_history`` was reassigned."""
+        cache = self.__dict__.get("_views")
+        if cache is None or cache[0] is not self.scale or cache[1] is not self.amax_history:
+            cache = self.__dict__["_views"] = (self.scale, self.amax_history, {})
+        found = cache[2].get(index)
+        if found is None:
+            found = cache[2][index] = (self.scale[index:index + 1], self.amax_history[0, index])
+        return found
 
 
 class _PendingCopy:

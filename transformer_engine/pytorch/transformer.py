@@ -302,6 +302,11 @@ class TransformerLayer(torch.nn.Module):
                              f"got {hidden_states.shape[0]}")
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{api}: layer_type='decoder' needs encoder_output")
+        if torch.compiler.is_compiling():
+            # The residuals follow the input's layout, and so does the gradient of the
+            # output; torch's traced dropout backward assumes a contiguous one (its fake
+            # strides differ from the kernel's), so a transposed input would fail there.
+            hidden_states = hidden_states.contiguous()
         attn = self.self_attention(
             hidden_states, attention_mask, None, self_attn_mask_type, window_size,
             is_first_microbatch, checkpoint_core_attention, None, rotary_pos_emb,

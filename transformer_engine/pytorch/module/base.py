@@ -12,8 +12,9 @@ from typing import Any, Optional
 import torch
 
 from ...common.recipe import DelayedScaling, Recipe
-from .. import delayed_scaling, distributed, recompute
+from .. import amax_update, delayed_scaling, distributed, recompute, torch_compile
 from ..fp8 import RECOMPUTE_STASH_KEY, FP8GlobalStateManager
+from ..kernel_config import get_kernel_config
 from ..model_init import model_init_state
 from ..scaling import ScalingState
 from ..tensor import Float8Tensor, QuantizedTensor
@@ -70,7 +71,11 @@ class ForwardPlan:
     them), else None. ``recomputing``: this call is a recompute. ``delayed``: the
     recipe keeps delayed-scaling state (read on every cast, so decided once here).
     ``skip_weight_update``: the device flag that picks the cached or a fresh FP8
-    weight (NOTE [Skip-update flag] in fp8_operands.py), else None.
+    weight (NOTE [Skip-update flag] in fp8_operands.py), else None. ``fwd_state``: the
+    forward scaling state the casts use (the live one, or a recompute's stash), for a
+    delayed-scaling recipe. ``traced``: made while dynamo traces (NOTE [torch.compile]
+    in torch_compile.py); the backward of GEMM ``bwd_update_gemm`` (-1: none) then
+    updates the module's backward state, with the autocast's ``group``.
     """
 
     fp8: bool
@@ -82,6 +87,10 @@ class ForwardPlan:
     recomputing: bool = False
     delayed: bool = field(init=False)
     skip_weight_update: Optional[torch.Tensor] = None
+    fwd_state: Optional[ScalingState] = None
+    traced: bool = False
+    bwd_update_gemm: int = -1
+    group: Any = None
 
     def __post_init__(self):
         self.delayed = self.recipe is not None and self.recipe.delayed()
@@ -141,6 +150,11 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         # reads it when it splits a grouped module's extra state)
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None,
                          "num_gemms": num_gemms, "fp8_checkpoint": False}
+        # what a compiled forward reads and cannot make (NOTE [torch.compile])
+        get_kernel_config()
+        amax_update.make_compiled_counter("cpu")
+        torch_compile.PENDING.add(self)
+        torch_compile.MODULES.add(self)
         init = model_init_state()
         # the model-init recipe (None: high-precision weights)
         self.fp8_weight_recipe = init.recipe
@@ -155,7 +169,18 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def _builds_fp8_weights(self) -> bool:
         return self.primary_weights_in_fp8
 
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._make_compiled_counter()
+        return out
+
+    def _make_compiled_counter(self) -> None:
+        device = self._meta_device()
+        if device.type != "meta":
+            amax_update.make_compiled_counter(device)
+
     def _after_reset_parameters(self, fp8_weights) -> None:
+        self._make_compiled_counter()
         if fp8_weights:
             if self.fp8_meta["recipe"] is None:
                 self._adopt_recipe(self.fp8_weight_recipe)
@@ -197,6 +222,11 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def __setstate__(self, state) -> None:
         # pickling leaves a Float8Tensor's quantizer behind: bind this module's again
         super().__setstate__(state)
+        # a copy is a module of its own for compiled code (NOTE [torch.compile])
+        torch_compile.MODULES.add(self)
+        meta = self.__dict__.get("fp8_meta")
+        if meta is not None and meta.get("scaling_fwd") is None:
+            torch_compile.PENDING.add(self)
         if self.__dict__.get("fp8_weight_recipe") is not None:
             for name, init in self._init_table().items():
                 param = self._parameters.get(name)
@@ -223,6 +253,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         length = recipe.amax_history_len
         self.fp8_meta["scaling_fwd"] = ScalingState.new(n * self.FWD_TENSORS_PER_GEMM, length, device)
         self.fp8_meta["scaling_bwd"] = ScalingState.new(n * self.BWD_TENSORS_PER_GEMM, length, device)
+        torch_compile.PENDING.discard(self)
 
     def _adopt_recipe(self, recipe: Recipe) -> None:
         """Keep the state (fresh if there is none); a history of another length than
@@ -259,10 +290,51 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         recipe = FP8GlobalStateManager.get_checked_fp8_recipe() if (fp8 or calibrating) else None
         if calibrating and not recipe.delayed():
             recipe, calibrating = None, False
+        if torch.compiler.is_compiling():
+            return self._take_traced_autocast_state(fp8, calibrating, recipe)
         if self.fp8 is not fp8 or self.fp8_calibration is not calibrating:
             self.fp8, self.fp8_calibration = fp8, calibrating     # nn.Module.__setattr__ is slow
         if recipe is not None and self.fp8_meta["recipe"] is not recipe:
             self._adopt_recipe(recipe)
+        return fp8, calibrating, recipe
+
+    def _take_traced_autocast_state(self, fp8: bool, calibrating: bool, recipe):
+        """`_take_autocast_state` while dynamo traces (NOTE [torch.compile] in
+        torch_compile.py): the flags are stored without being read (no guard on
+        them); the modules without FP8 state get it for real before this module's is
+        read; the recipe is compared by fields (a guard on fields, not on objects)."""
+        if recipe is None:
+            # compared first: no write (a side effect) where nothing changes, so that a
+            # high-precision module may run inside torch.utils.checkpoint
+            if self.fp8 != fp8 or self.fp8_calibration != calibrating:
+                self.fp8, self.fp8_calibration = fp8, calibrating
+            return fp8, calibrating, recipe
+        if torch_compile.inside_higher_order_op():
+            raise NotImplementedError(
+                f"{self.named_api(type(self).__name__)}: an FP8 forward traced by "
+                "torch.compile inside torch.utils.checkpoint (or another higher-order op) is "
+                "not supported: its FP8 state updates are side effects that such a region "
+                "may not have. Checkpoint the compiled function with te.checkpoint instead, "
+                "or keep the region in high precision")
+        torch_compile.check_compilable_recipe(recipe)
+        # (the FP8-weight recipe check of eager calls asks each weight's quantizer, which
+        # dynamo cannot: a mismatch shows in the eager calls and at the weights' writes)
+        self.fp8, self.fp8_calibration = fp8, calibrating      # written, not read: no guard
+        torch_compile.prepare_pending_modules(recipe)   # before this trace reads fp8_meta
+        # written, not read: no guard on what the module held before
+        self.fp8_meta["recipe"] = recipe
+        self.fp8_meta["fp8_checkpoint"] = True
+        if recipe.delayed():
+            state = self.fp8_meta["scaling_fwd"]
+            if state is None or state.amax_history.shape[0] != recipe.amax_history_len:
+                raise NotImplementedError(
+                    f"{self.named_api(type(self).__name__)}: torch.compile: this module's "
+                    "delayed-scaling state "
+                    + ("is missing" if state is None else
+                       f"has amax_history_len={state.amax_history.shape[0]}")
+                    + f" where the recipe has {recipe.amax_history_len}; a compiled function "
+                    "cannot make or resize it (its backward updates it): run one forward with "
+                    "this recipe eagerly first")
         return fp8, calibrating, recipe
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
@@ -290,6 +362,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"{type(self).__name__}.forward: is_first_microbatch must be None, "
                             f"True or False, got {is_first_microbatch!r}")
+        if torch.compiler.is_compiling():
+            return self._prepare_traced_forward(is_first_microbatch)
         fp8, calibrating, recipe = self._take_autocast_state()
         if recipe is not None and self.fp8_weight_recipe is not None:
             fp8_params.check_weight_recipes(self, recipe)
@@ -319,7 +393,55 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             if distributed.is_fp8_activation_recompute_enabled():
                 FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(self.fp8_meta)
                 plan.stash = self.fp8_meta.pop(RECOMPUTE_STASH_KEY, None)
+        if plan.delayed:
+            plan.fwd_state = self.fp8_meta["scaling_fwd"]
         return _ForwardScope(plan, self.fp8_meta if swapped else None)
+
+    def _prepare_traced_forward(self, is_first_microbatch: Optional[bool]) -> _ForwardScope:
+        """`prepare_forward` while dynamo traces (NOTE [torch.compile] in
+        torch_compile.py): the same plan; the session bookkeeping, the recompute
+        stash and the backward update become graph ops or trace-time decisions."""
+        amax_update.note_compiled_use()
+        if is_first_microbatch is not None:     # before this trace reads fp8_meta
+            torch_compile.prepare_weight_caches()
+        fp8, calibrating, recipe = self._take_autocast_state()
+        plan = ForwardPlan(fp8=fp8, recipe=recipe, record_amax=False,
+                           is_first_microbatch=is_first_microbatch, traced=True)
+        if not plan.delayed:
+            plan.recomputing = distributed.in_fp8_activation_recompute_phase()
+            return _ForwardScope(plan, None)
+        autocast = FP8GlobalStateManager.get_fp8_autocast_state()
+        session, plan.group = autocast.session, autocast.group
+        live = self.fp8_meta["scaling_fwd"]
+        if distributed.in_fp8_activation_recompute_phase():
+            plan.recomputing = True
+            if fp8:
+                # The first forward's state, read and written as the first forward did
+                # (the copy, the amaxes into the stash's own history): the same graph,
+                # so the same tensors saved for backward (a non-reentrant checkpoint
+                # hands the recompute's saved tensors to the first forward's backward).
+                plan.fwd_state = torch_compile.forward_state(
+                    torch_compile.recompute_state(self.fp8_meta))
+                plan.record_amax = True
+        else:
+            plan.record_amax = recompute.is_training_forward()
+            if distributed.is_fp8_activation_recompute_enabled():
+                torch_compile.stash_in_frame(self.fp8_meta, live)
+            plan.fwd_state = torch_compile.forward_state(live) if fp8 else live
+        first = True
+        register = plan.record_amax and not plan.recomputing
+        if session.traced:
+            first = torch_compile.join_traced_session(session, self.fp8_meta, recipe,
+                                                      plan.group, register)
+        elif register:
+            torch_compile.register_in_session(session, self.fp8_meta, recipe, plan.group)
+        if fp8 and first:
+            plan.bwd_update_gemm = self._first_fp8_gemm()
+        return _ForwardScope(plan, None)
+
+    def _first_fp8_gemm(self) -> int:
+        """The GEMM whose backward runs last in a call of this module (its first)."""
+        return 0
 
     # ---- FP8 state in state_dict (NOTE [FP8 extra state payload]) -------------------
     def get_extra_state(self) -> torch.Tensor:
@@ -348,3 +470,5 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                     for s in (loaded.scaling_fwd, loaded.scaling_bwd))
         self.fp8_meta.update(recipe=loaded.recipe, scaling_fwd=fwd, scaling_bwd=bwd,
                              fp8_checkpoint=loaded.recipe is not None or fwd is not None)
+        if fwd is not None:
+            torch_compile.PENDING.discard(self)

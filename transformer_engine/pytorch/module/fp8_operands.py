@@ -59,10 +59,11 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
     x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`: one pass over ``x`` on
     CUDA); a block-scaled ``x_fp8^T`` is the columnwise copy (NOTE [Block scaling
     layout])."""
-    if plan.delayed:
+    if plan.delayed:        # (views made once, but not while dynamo traces)
         return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                                  state.amax_history if record else None,
-                                                 data, transpose)
+                                                 data, transpose,
+                                                 None if plan.traced else state)
     # a recompute counts no non-finite amax: its first forward did (NOTE [Non-finite amaxes])
     count = not plan.recomputing
     if plan.recipe.float8_block_scaling():
@@ -70,8 +71,8 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
                                            count_non_finite=count)
     q = getattr(plan.recipe, "fp8_quant_" + role)
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
-                                         non_finite_counter(x.device) if count else None,
-                                         data, transpose)
+                                         non_finite_counter(x.device, role == "bwd_grad")
+                                         if count else None, data, transpose)
 
 
 def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict,
@@ -84,7 +85,8 @@ def forward_operands(x: torch.Tensor, weight: torch.Tensor, plan: ForwardPlan, f
     if plan.delayed and plan.is_first_microbatch is None and not isinstance(weight, QuantizedTensor):
         return quantize.cast_pair_unchecked(x, weight, state.scale, dtype, index,
                                             state.amax_history if plan.record_amax else None,
-                                            transpose_x, transpose_w)
+                                            transpose_x, transpose_w,
+                                            None if plan.traced else state)
     return (cast_operand(x, plan, state, index, dtype, plan.record_amax, "fwd_inp",
                          transpose=transpose_x),
             fp8_weight(weight, plan, fp8_meta, state, index + 1, gemm, dtype, transpose_w))
@@ -103,7 +105,9 @@ def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, i
     if plan.recomputing and plan.stash is not None and gemm in plan.stash.weights:
         return _with_transpose(plan.stash.weights[gemm], transpose)
     cache = fp8_meta.setdefault("fp8_weight_cache", {})
-    cached = cache.get(gemm)
+    # (a first micro-batch does not look at the cache: compiled code would guard on it)
+    cached = cache.get(gemm) if (plan.skip_weight_update is not None
+                                 or plan.is_first_microbatch is False) else None
     if plan.skip_weight_update is not None and cached is not None:
         found = _flag_selected(weight, plan, state, index, dtype, transpose,
                                _with_transpose(cached, transpose))

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import block_scaling, quantize
+from .. import block_scaling, quantize, torch_compile
 from ..amax_update import request_backward_update
 from ..fp8_shapes import Float8Data
 from ..tensor import QuantizedTensor
@@ -68,13 +68,15 @@ class _LinearCall:
     (autograd's ``apply`` inspects every argument: fewer is cheaper on the host)."""
 
     __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad", "input_fp8",
-                 "grad_handoff")
+                 "grad_handoff", "weight_ops")
 
     def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
-                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None):
+                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None, weight_ops=None):
         self.plan, self.fp8_meta, self.gemm = plan, fp8_meta, gemm
         self.out_dtype, self.fuse_wgrad = out_dtype, fuse_wgrad
         self.input_fp8, self.grad_handoff = input_fp8, grad_handoff
+        # the FP8 weight made before the call, while dynamo traces (NOTE [torch.compile])
+        self.weight_ops = weight_ops
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -94,7 +96,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                 call: "_LinearCall"):
         plan, fp8_meta, gemm = call.plan, call.fp8_meta, call.gemm
         fmt = plan.recipe.fp8_format.value
-        state = fp8_meta["scaling_fwd"] if plan.delayed else None
+        state = plan.fwd_state
         i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         override = backward_override(plan.recipe)
@@ -106,6 +108,10 @@ class _FP8LinearFunction(torch.autograd.Function):
                     x_t = quantize.transpose_fp8(x_fp8)
                 w_fp8, w_t = fp8_weight(weight, plan, fp8_meta, state, i + 1, gemm,
                                         fmt.dtype_fwd, need_dgrad)
+            elif call.weight_ops is not None:   # (made outside, while dynamo traces)
+                x_fp8, x_t = cast_operand(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
+                                          "fwd_inp", transpose=need_wgrad and fp8_backward)
+                w_fp8, w_t = call.weight_ops
             else:
                 (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state,
                                                               i, gemm, fmt.dtype_fwd,
@@ -174,6 +180,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dbias = handed_dbias
         if plan.session is not None:
             request_backward_update(plan.session)
+        elif plan.bwd_update_gemm == ctx.gemm:      # NOTE [torch.compile]
+            torch_compile.backward_update(ctx.fp8_meta, plan.recipe, plan.group)
         return dgrad, wgrad, dbias, None
 
 
@@ -239,7 +247,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         if isinstance(weight, QuantizedTensor) and not fuse_wgrad_accumulation:
             weight = weight.dequantize()        # (the main-grad path reads the weight itself)
         if plan.record_amax:
-            state = fp8_meta["scaling_fwd"]
+            state = plan.fwd_state
             i = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm
             state.record_amax(i, quantize.amax(x))
             state.record_amax(i + 1, quantize.amax(weight))
@@ -257,10 +265,31 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             and not plan.recipe.float8_block_scaling():
         quantize.check_fp8_matrix(api, input_name, x.shape)
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
-    y = _FP8LinearFunction.apply(x2d, weight, bias,
-                                 _LinearCall(plan, fp8_meta, gemm, out_dtype,
-                                             fuse_wgrad_accumulation, input_fp8, grad_handoff))
+    call = (_LinearCall(plan, fp8_meta, gemm, out_dtype, fuse_wgrad_accumulation, input_fp8,
+                        grad_handoff)
+            if not plan.traced else _traced_call(plan, fp8_meta, gemm, out_dtype,
+                                                 fuse_wgrad_accumulation, x2d, weight))
+    y = _FP8LinearFunction.apply(x2d, weight, bias, call)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
+
+
+def _traced_call(plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
+                 fuse_wgrad: bool, x2d: torch.Tensor, weight: torch.Tensor) -> _LinearCall:
+    """The call's arguments while dynamo traces (NOTE [torch.compile]): the backward
+    state in a dict of its own (the function's arguments are guarded on: not the
+    module's whole ``fp8_meta``), and a cached or FP8 primary weight taken here,
+    outside the function, whose graph may not write the module's cache."""
+    meta = {"scaling_bwd": fp8_meta["scaling_bwd"]} if plan.delayed else {}
+    weight_ops = None
+    if plan.is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
+        dtype = plan.recipe.fp8_format.value.dtype_fwd
+        need_dgrad = (torch.is_grad_enabled() and x2d.requires_grad
+                      and backward_override(plan.recipe) is None)
+        index = TransformerEngineBaseModule.FWD_TENSORS_PER_GEMM * gemm + 1
+        with no_autocast(x2d.device.type):
+            weight_ops = fp8_weight(weight, plan, fp8_meta, plan.fwd_state, index, gemm, dtype,
+                                    need_dgrad)
+    return _LinearCall(plan, meta, gemm, out_dtype, fuse_wgrad, weight_ops=weight_ops)
 
 
 

@@ -130,8 +130,14 @@ class Float8Tensor(QuantizedTensor):
 
     # ---- Python protocols -------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:
-        return (f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
-                f"dtype={self.dtype}, value={self.plain()})")
+        try:
+            scale_inv = f"{float(self._scale_inv.item()):.6g}"
+            value = self.plain()
+        except Exception:      # fake or symbolic (torch.compile tracing, its logs): no values
+            return (f"Float8Tensor(fp8_dtype={self.fp8_dtype}, dtype={self.dtype}, "
+                    f"shape={tuple(self.shape)})")
+        return (f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={scale_inv}, "
+                f"dtype={self.dtype}, value={value})")
 
     def __reduce_ex__(self, protocol):
         # the bits as uint8: plain pickle of an FP8-dtype tensor fails in torch 2.13
@@ -140,11 +146,13 @@ class Float8Tensor(QuantizedTensor):
                                        isinstance(self, torch.nn.Parameter))
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale_inv"], (self.dtype, self._quantizer)
+        # metadata compared by value (torch.compile guards on it): the nominal dtype; the
+        # quantizer serves in-place writes, which compiled code does not make
+        return ["_data", "_scale_inv"], (self.dtype,)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0], meta[1])
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta[0])
 
 
 def rebuild_float8_tensor(data: torch.Tensor, fp8_dtype: torch.dtype, scale_inv: torch.Tensor,
