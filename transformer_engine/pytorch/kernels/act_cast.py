@@ -27,7 +27,8 @@ if AVAILABLE:
 
     from .activations import act_fwd
     from .casts import finish_current_scale
-    from .common import TL_FP8, fold_amax, round_to, saturate, tile_amax_bits, to_fp8
+    from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
+                         to_fp8)
 
 __all__ = ["act_cast"]
 
@@ -60,8 +61,8 @@ if AVAILABLE:
                 tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
         elif MODE == 2:
             scale = finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
-                                         amax_epsilon, FP8_MAX, EPSILON, POW2, COUNT, FP32_MAX,
-                                         BLOCK_P)
+                                         amax_epsilon, pid == 0, FP8_MAX, EPSILON, POW2,
+                                         COUNT, FP32_MAX, BLOCK_P)
         best = tl.full([], 0, tl.int32)
         for t0 in range(0, tiles, programs):
             t = t0 + pid                # past the last tile: all masked out
@@ -84,10 +85,10 @@ if AVAILABLE:
                 best = tl.maximum(best, tile_amax_bits(v, mask))
             if MODE != 1:
                 q = to_fp8(saturate(v, scale, FP8_MAX), OUT_DTYPE)
-                if WRITE_Q:
-                    tl.store(q_ptr + rm64[:, None] * F + rn64[None, :], q, mask=mask)
+                if WRITE_Q:     # NOTE [FP8 stores] in common.py
+                    store_fp8(q_ptr + rm64[:, None] * F + rn64[None, :], q, mask)
                 if WRITE_QT:
-                    tl.store(qt_ptr + rn64[None, :] * M + rm64[:, None], q, mask=mask)
+                    store_fp8(qt_ptr + rn64[None, :] * M + rm64[:, None], q, mask)
         if MODE == 0:
             if WRITE_AMAX:
                 fold_amax(amax_ptr, index, best)

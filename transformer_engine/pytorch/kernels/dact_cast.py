@@ -28,7 +28,8 @@ if AVAILABLE:
 
     from .activations import act_bwd, act_fwd
     from .casts import finish_current_scale
-    from .common import TL_FP8, fold_amax, round_to, saturate, tile_amax_bits, to_fp8
+    from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
+                         to_fp8)
 
 __all__ = ["dact_cast"]
 
@@ -42,10 +43,10 @@ if AVAILABLE:
                    FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, WRITE_Q: tl.constexpr,
                    WRITE_QT: tl.constexpr):
         q = to_fp8(saturate(v, scale, FP8_MAX), OUT_DTYPE)
-        if WRITE_Q:
-            tl.store(q_ptr + rm64[:, None] * W + cols64[None, :], q, mask=mask)
+        if WRITE_Q:     # NOTE [FP8 stores] in common.py
+            store_fp8(q_ptr + rm64[:, None] * W + cols64[None, :], q, mask)
         if WRITE_QT:
-            tl.store(qt_ptr + cols64[None, :] * M + rm64[:, None], q, mask=mask)
+            store_fp8(qt_ptr + cols64[None, :] * M + rm64[:, None], q, mask)
 
     # rows and counts derived from them are not specialized on (one binary for every
     # number of rows)
@@ -73,9 +74,10 @@ if AVAILABLE:
             if (g == 0) & (j == 0):
                 tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
         elif MODE == 2:
+            # one program of the 2-D grid writes scale_inv and counts
             scale = finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
-                                         amax_epsilon, FP8_MAX, EPSILON, POW2, COUNT, FP32_MAX,
-                                         BLOCK_P)
+                                         amax_epsilon, (g == 0) & (j == 0), FP8_MAX, EPSILON, POW2,
+                                         COUNT, FP32_MAX, BLOCK_P)
         rn = j * BLOCK_N + tl.arange(0, BLOCK_N)
         rn64 = rn.to(tl.int64)
         cmask = rn < F
