@@ -145,15 +145,19 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
               scale_inv, partial if not delayed else dummy, programs,
               non_finite if count else dummy, float(amax_epsilon), m, f, x.stride(0), tiles_f,
               tiles, programs, code, gated)
+    # BLOCK_P (a power of two above the row-dependent partial count) is read by the
+    # cast launch only: the others get 1, the cast's key holds it
     tail = (has_amax, _tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon,
-            power_2_scale, count, FP32_MAX, block_p, _TILE_M, _TILE_N)
+            power_2_scale, count, FP32_MAX)
     if delayed:
         _launch((programs, 1, 1), _WARPS, (spec, 0, write_y), *common, 0, write_y, data,
-                transpose, *tail)
+                transpose, *tail, 1, _TILE_M, _TILE_N)
     else:
         _launch((programs, 1, 1), _WARPS, (spec, 1, write_y), *common, 1, write_y, False,
-                False, *tail)
-        _launch((programs, 1, 1), _WARPS, (spec, 2), *common, 2, False, data, transpose, *tail)
+                False, *tail, 1, _TILE_M, _TILE_N)
+        cast_args = (x, dummy) + common[2:]     # (the cast writes no y)
+        _launch((programs, 1, 1), _WARPS, (spec, 2, block_p), *cast_args, 2, False, data,
+                transpose, *tail, block_p, _TILE_M, _TILE_N)
     return y, q, q_t, scale_inv
 
 

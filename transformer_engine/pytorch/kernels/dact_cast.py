@@ -179,15 +179,19 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
               amax_history if has_amax else dummy, index, scale_inv,
               partial if not delayed else dummy, partials, non_finite if count else dummy,
               float(amax_epsilon), m, f, x.stride(0), dy.stride(0), groups, code, gated)
-    tail = (has_amax, want_dbias, _tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon,
-            power_2_scale, count, FP32_MAX, block_p, _TILE_M, _TILE_N)
+    # BLOCK_P (a power of two above the row-dependent partial count) is read by the
+    # cast launch only: the others get 1, the cast's key holds it
+    tail = (_tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon, power_2_scale, count,
+            FP32_MAX)
     grid = (groups, tiles_f, 1)
     if delayed:
-        _launch(grid, _WARPS, (spec, 0), *common, 0, data, transpose, *tail)
+        _launch(grid, _WARPS, (spec, 0), *common, 0, data, transpose, has_amax, want_dbias,
+                *tail, 1, _TILE_M, _TILE_N)
     else:
-        _launch(grid, _WARPS, (spec, 1), *common, 1, False, False, *tail)
-        no_sums = (has_amax, False) + tail[2:]
-        _launch(grid, _WARPS, (spec, 2), *common, 2, data, transpose, *no_sums)
+        _launch(grid, _WARPS, (spec, 1), *common, 1, False, False, has_amax, want_dbias,
+                *tail, 1, _TILE_M, _TILE_N)
+        _launch(grid, _WARPS, (spec, 2, block_p), *common, 2, data, transpose, has_amax, False,
+                *tail, block_p, _TILE_M, _TILE_N)
     dbias = None
     if want_dbias:
         total = sums[0] if groups == 1 else sums.sum(0)

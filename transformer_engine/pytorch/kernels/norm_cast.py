@@ -205,14 +205,18 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
               partial if not delayed else dummy, programs, non_finite if count else dummy,
               float(amax_epsilon), m, n, x.stride(0), float(eps), rms, zero_centered_gamma,
               has_bias)
+    # BLOCK_P (a power of two above the row-dependent program count) is read by the
+    # cast launch only: the others get 1, the cast's key holds it
     tail = (_TL[out_dtype], FP8_MAX[dtype], TL_FP8[dtype], epsilon, power_2_scale, count,
-            FP32_MAX, block_p, _BLOCK_M, block_n)
+            FP32_MAX)
     grid = (programs, 1, 1)
     if delayed:
         _launch(grid, _WARPS, (spec, 0, write_y), *common, 0, write_y, data, transpose,
-                has_amax, *tail)
+                has_amax, *tail, 1, _BLOCK_M, block_n)
     else:
         _launch(grid, _WARPS, (spec, 1, write_y), *common, 1, write_y, False, False, False,
-                *tail)
-        _launch(grid, _WARPS, (spec, 2), *common, 2, False, data, transpose, False, *tail)
+                *tail, 1, _BLOCK_M, block_n)
+        cast_args = common[:3] + (dummy,) + common[4:]     # (the cast writes no y)
+        _launch(grid, _WARPS, (spec, 2, block_p), *cast_args, 2, False, data, transpose, False,
+                *tail, block_p, _BLOCK_M, block_n)
     return y, q, q_t, scale_inv, stats
