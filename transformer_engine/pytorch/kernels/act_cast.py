@@ -26,7 +26,7 @@ if AVAILABLE:
     import triton.language as tl
 
     from .activations import act_fwd
-    from .casts import finish_current_scale
+    from .casts import finish_current_scale, partials_block
     from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
                          to_fp8)
 
@@ -134,7 +134,7 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
     has_amax = delayed and amax_history is not None
     count = non_finite is not None and not delayed
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(programs)
+    block_p = partials_block(programs)
     dummy = scale_inv
     spec = (x.dtype, dtype, code, gated, aligned(x), int_spec(f), int_spec(x.stride(0)),
             int_spec(tiles_f), data, transpose, epsilon, power_2_scale, count,
@@ -145,7 +145,7 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
               scale_inv, partial if not delayed else dummy, programs,
               non_finite if count else dummy, float(amax_epsilon), m, f, x.stride(0), tiles_f,
               tiles, programs, code, gated)
-    # BLOCK_P (a power of two above the row-dependent partial count) is read by the
+    # BLOCK_P (`casts.partials_block` of the row-dependent partial count) is read by the
     # cast launch only: the others get 1, the cast's key holds it
     tail = (has_amax, _tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon,
             power_2_scale, count, FP32_MAX)

@@ -329,6 +329,17 @@ if AVAILABLE:
     _launch_current_cast = Launcher(_current_cast_kernel)
 
 
+# The cast launch of a current-scaling cast reduces the partial amaxes in a block of at
+# least this many lanes (masked past the count): one binary for every partial count up
+# to it, not one per power of two of the row count.
+_PARTIALS_BLOCK = 1024
+
+
+def partials_block(partials: int) -> int:
+    """BLOCK_P (a constexpr) of a cast launch that reduces ``partials`` partial amaxes."""
+    return max(_PARTIALS_BLOCK, triton.next_power_of_2(partials))
+
+
 def current_programs(tiles: int) -> int:
     """Programs of each launch of a current-scaling cast over ``tiles`` tiles."""
     return min(tiles, _CURRENT_PROGRAMS)
@@ -356,7 +367,7 @@ def current_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool, amax_
                          x, partial, m, n, sm, sn, tiles_n, tiles, programs, _TILE_M, _TILE_N)
     count = non_finite is not None
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(programs)
+    block_p = partials_block(programs)
     key = (spec, dtype, data, transpose, epsilon, power_2_scale, count,
            count and aligned(non_finite), block_p, _TILE_M, _TILE_N, _WARPS)
     _launch_current_cast((programs, 1, 1), _WARPS, key, x, q if data else scale_inv,

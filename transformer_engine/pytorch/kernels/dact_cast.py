@@ -27,7 +27,7 @@ if AVAILABLE:
     import triton.language as tl
 
     from .activations import act_bwd, act_fwd
-    from .casts import finish_current_scale
+    from .casts import finish_current_scale, partials_block
     from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
                          to_fp8)
 
@@ -168,7 +168,7 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
     has_amax = delayed and amax_history is not None
     count = non_finite is not None and not delayed
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(partials)
+    block_p = partials_block(partials)
     dummy = scale_inv
     spec = (x.dtype, dy.dtype, dtype, code, gated, aligned(x), aligned(dy), int_spec(f),
             int_spec(x.stride(0)), int_spec(dy.stride(0)), data, transpose, want_dbias, epsilon,
@@ -179,7 +179,7 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
               amax_history if has_amax else dummy, index, scale_inv,
               partial if not delayed else dummy, partials, non_finite if count else dummy,
               float(amax_epsilon), m, f, x.stride(0), dy.stride(0), groups, code, gated)
-    # BLOCK_P (a power of two above the row-dependent partial count) is read by the
+    # BLOCK_P (`casts.partials_block` of the row-dependent partial count) is read by the
     # cast launch only: the others get 1, the cast's key holds it
     tail = (_tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon, power_2_scale, count,
             FP32_MAX)

@@ -36,7 +36,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .casts import finish_current_scale
+    from .casts import finish_current_scale, partials_block
     from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
                          to_fp8)
 
@@ -191,7 +191,7 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     has_bias = bias is not None and not rms
     count = non_finite is not None and not delayed
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(programs)
+    block_p = partials_block(programs)
     dummy = scale_inv
     spec = (x.dtype, weight.dtype, has_bias and bias.dtype, out_dtype, dtype, rms,
             zero_centered_gamma, aligned(x), aligned(weight), has_bias and aligned(bias),
@@ -205,7 +205,7 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
               partial if not delayed else dummy, programs, non_finite if count else dummy,
               float(amax_epsilon), m, n, x.stride(0), float(eps), rms, zero_centered_gamma,
               has_bias)
-    # BLOCK_P (a power of two above the row-dependent program count) is read by the
+    # BLOCK_P (`casts.partials_block` of the row-dependent program count) is read by the
     # cast launch only: the others get 1, the cast's key holds it
     tail = (_TL[out_dtype], FP8_MAX[dtype], TL_FP8[dtype], epsilon, power_2_scale, count,
             FP32_MAX)
