@@ -515,6 +515,7 @@ def test_unwritten_register_scan():
                                         "%r392", "%rd98", "%rs17", "%rs52"]
     clean = """
         mov.u32 	%r1, %tid.x;   // a comment %r9
+        mov.u64 	%rd2, %clock64;
         ld.global.b32 { %r2 }, [ %rd1 + 0 ];
         @%p1 st.global.b8 [%rd1], %r2;
         mov.b32 	{%rs1, %rs2}, %r2;

@@ -111,6 +111,7 @@ def _known_options(options: dict) -> dict:
 _NO_DEST = ("st.", "stmatrix", "bar", "bra", "red.", "fence", "membar", "prefetch", "ret",
             "exit", "trap", "cp.async", "barrier", "griddepcontrol")
 _REG = re.compile(r"%[a-z]+[0-9]+")
+_SPECIAL = re.compile(r"%(clock64|pm[0-9]+|envreg[0-9]+)$")      # special registers: read-only
 _GUARD = re.compile(r"^@!?(%[a-z]+[0-9]+)\s+")
 
 
@@ -140,7 +141,7 @@ def undefined_registers(ptx: str) -> List[str]:
                     break
             written.update(_REG.findall(operands[:cut]))
             read.update(_REG.findall(operands[cut:]))
-    return sorted(read - written)
+    return sorted(r for r in read - written if not _SPECIAL.match(r))
 
 
 # (kernel name, registers) of each compiled kernel whose PTX reads registers it never
