@@ -79,7 +79,25 @@ def assert_tensors_equal(a, b, what=""):
         if x is None or y is None:
             assert x is None and y is None, f"{what}[{i}]: one is None"
             continue
-        assert torch.equal(x, y), f"{what}[{i}] differs: max |diff| {(x - y).abs().max()}"
+        assert torch.equal(x, y), f"{what}[{i}] differs: {describe_difference(x, y)}"
+
+
+def describe_difference(x: torch.Tensor, y: torch.Tensor) -> str:
+    """How two tensors of one shape differ: how many elements, the NaNs in each, the
+    first differing element (index and both values) and the largest finite |x - y|."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return f"{tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
+    a, b = x.detach().float(), y.detach().float()
+    differ = ~((a == b) | (a.isnan() & b.isnan()))
+    if not bool(differ.any()):
+        return "equal values, different bits (signed zeros or NaN payloads)"
+    index = tuple(int(i) for i in differ.nonzero()[0])
+    gap = (a - b).abs()
+    gap = gap[gap.isfinite()]
+    largest = f"{float(gap.max()):.6g}" if gap.numel() else "none finite"
+    return (f"{int(differ.sum())} of {x.numel()} elements (NaNs: {int(a.isnan().sum())} vs "
+            f"{int(b.isnan().sum())}); first at {index}: {float(a[index]):.9g} vs "
+            f"{float(b[index]):.9g}; largest finite |diff| {largest}")
 
 
 # ---- training runs ----------------------------------------------------------------------------

@@ -332,8 +332,8 @@ def _launch_cases(triton_kernels, direct):
             assert torch.equal(_bits(q_f.data), _bits(q_r.data)), what
             assert torch.equal(_bits(qt_f.data), _bits(qt_r.data)), what
             assert torch.equal(hist_f, hist_r) and hist_f[0, 1] > 0, what
-    if direct:
-        assert len(triton_kernels._launch_cast.compiled) >= 6
+    if direct:      # aligned, misaligned, N, row stride: the row count is not specialized
+        assert len(triton_kernels._launch_cast.compiled) >= 4
 
 
 def _train(config: KernelConfig, recipe, bias: bool, steps: int = 3):

@@ -26,8 +26,9 @@ if AVAILABLE:
     import triton.language as tl
 
     from .activations import act_fwd
-    from .casts import finish_current_scale
-    from .common import TL_FP8, fold_amax, round_to, saturate, tile_amax_bits, to_fp8
+    from .casts import finish_current_scale, partials_block
+    from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
+                         to_fp8)
 
 __all__ = ["act_cast"]
 
@@ -60,8 +61,8 @@ if AVAILABLE:
                 tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
         elif MODE == 2:
             scale = finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
-                                         amax_epsilon, FP8_MAX, EPSILON, POW2, COUNT, FP32_MAX,
-                                         BLOCK_P)
+                                         amax_epsilon, pid == 0, FP8_MAX, EPSILON, POW2,
+                                         COUNT, FP32_MAX, BLOCK_P)
         best = tl.full([], 0, tl.int32)
         for t0 in range(0, tiles, programs):
             t = t0 + pid                # past the last tile: all masked out
@@ -84,10 +85,10 @@ if AVAILABLE:
                 best = tl.maximum(best, tile_amax_bits(v, mask))
             if MODE != 1:
                 q = to_fp8(saturate(v, scale, FP8_MAX), OUT_DTYPE)
-                if WRITE_Q:
-                    tl.store(q_ptr + rm64[:, None] * F + rn64[None, :], q, mask=mask)
+                if WRITE_Q:     # NOTE [FP8 stores] in common.py
+                    store_fp8(q_ptr + rm64[:, None] * F + rn64[None, :], q, mask)
                 if WRITE_QT:
-                    tl.store(qt_ptr + rn64[None, :] * M + rm64[:, None], q, mask=mask)
+                    store_fp8(qt_ptr + rn64[None, :] * M + rm64[:, None], q, mask)
         if MODE == 0:
             if WRITE_AMAX:
                 fold_amax(amax_ptr, index, best)
@@ -133,7 +134,7 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
     has_amax = delayed and amax_history is not None
     count = non_finite is not None and not delayed
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(programs)
+    block_p = partials_block(programs)
     dummy = scale_inv
     spec = (x.dtype, dtype, code, gated, aligned(x), int_spec(f), int_spec(x.stride(0)),
             int_spec(tiles_f), data, transpose, epsilon, power_2_scale, count,
@@ -144,15 +145,19 @@ def act_cast(x: torch.Tensor, activation: str, dtype: torch.dtype, *,
               scale_inv, partial if not delayed else dummy, programs,
               non_finite if count else dummy, float(amax_epsilon), m, f, x.stride(0), tiles_f,
               tiles, programs, code, gated)
+    # BLOCK_P (`casts.partials_block` of the row-dependent partial count) is read by the
+    # cast launch only: the others get 1, the cast's key holds it
     tail = (has_amax, _tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon,
-            power_2_scale, count, FP32_MAX, block_p, _TILE_M, _TILE_N)
+            power_2_scale, count, FP32_MAX)
     if delayed:
         _launch((programs, 1, 1), _WARPS, (spec, 0, write_y), *common, 0, write_y, data,
-                transpose, *tail)
+                transpose, *tail, 1, _TILE_M, _TILE_N)
     else:
         _launch((programs, 1, 1), _WARPS, (spec, 1, write_y), *common, 1, write_y, False,
-                False, *tail)
-        _launch((programs, 1, 1), _WARPS, (spec, 2), *common, 2, False, data, transpose, *tail)
+                False, *tail, 1, _TILE_M, _TILE_N)
+        cast_args = (x, dummy) + common[2:]     # (the cast writes no y)
+        _launch((programs, 1, 1), _WARPS, (spec, 2, block_p), *cast_args, 2, False, data,
+                transpose, *tail, block_p, _TILE_M, _TILE_N)
     return y, q, q_t, scale_inv
 
 

@@ -78,7 +78,10 @@ if AVAILABLE:
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))   # IEEE-rounded
 
-    @triton.jit
+    # The row count is not specialized on: Triton 3.6 specializes M == 1 (a one-row
+    # cast) into a lowering whose PTX reads registers it never writes, which the
+    # ptxas it ships miscompiles (NOTE [FP8 stores] in common.py)
+    @triton.jit(do_not_specialize=["M"])
     def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr, scale_inv_ptr, index,
                                M, N, stride_xm, stride_xn,
                                FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -89,7 +92,7 @@ if AVAILABLE:
                    stride_xm, stride_xn, tl.program_id(0), tl.program_id(1), FP8_MAX,
                    OUT_DTYPE, WRITE_Q, WRITE_QT, WRITE_AMAX, BLOCK_M, BLOCK_N)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["MA", "MB"])     # as _cast_transpose_kernel
     def _cast_pair_kernel(a_ptr, b_ptr, scale_ptr, qa_ptr, qta_ptr, qb_ptr, qtb_ptr, amax_ptr,
                           scale_inv_a_ptr, scale_inv_b_ptr, index_a, index_b,
                           MA, NA, stride_am, stride_an, MB, NB, stride_bm, stride_bn,
@@ -191,7 +194,7 @@ def _cast_operand(x: torch.Tensor, dtype: torch.dtype, data: bool, transpose: bo
     sm, sn = x.stride()
     q, q_t, scale_inv, _ = cast_outputs(m, n, dtype, x.device, data, transpose,
                                         separate=separate)
-    spec = (x.dtype, aligned(x), int_spec(m), int_spec(n), int_spec(sm), int_spec(sn))
+    spec = (x.dtype, aligned(x), int_spec(n), int_spec(sm), int_spec(sn))    # M: any
     return q, q_t, scale_inv, spec
 
 
@@ -274,20 +277,21 @@ if AVAILABLE:
 
     @triton.jit
     def finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
-                             amax_epsilon, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr,
+                             amax_epsilon, first, FP8_MAX: tl.constexpr, EPSILON: tl.constexpr,
                              POW2: tl.constexpr, COUNT: tl.constexpr, FP32_MAX: tl.constexpr,
                              BLOCK_P: tl.constexpr):
         """The scale of a current-scaling cast from the partial amaxes of its first
-        launch; program 0 writes ``scale_inv`` and counts a non-finite amax."""
+        launch; the one program for which ``first`` holds writes ``scale_inv`` and
+        counts a non-finite amax."""
         amax = reduce_partials(partial_ptr, partials, BLOCK_P)
         scale = current_scale(amax, amax_epsilon, FP8_MAX, EPSILON, POW2, FP32_MAX)
-        if tl.program_id(0) == 0:
+        if first:
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
             if COUNT:
                 tl.atomic_add(non_finite_ptr, ((amax > FP32_MAX) | (amax != amax)).to(tl.int32))
         return scale
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])            # as _cast_transpose_kernel
     def _current_cast_kernel(x_ptr, q_ptr, qt_ptr, partial_ptr, partials, scale_inv_ptr,
                              non_finite_ptr, amax_epsilon, M, N, stride_xm, stride_xn,
                              tiles_n, tiles,
@@ -300,8 +304,8 @@ if AVAILABLE:
         # reduces the partials to the amax and the scale (`quantize.current_scale`),
         # then casts tiles p, p + P, ... as `_cast_tile` does.
         scale = finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
-                                     amax_epsilon, FP8_MAX, EPSILON, POW2, COUNT, FP32_MAX,
-                                     BLOCK_P)
+                                     amax_epsilon, tl.program_id(0) == 0, FP8_MAX, EPSILON,
+                                     POW2, COUNT, FP32_MAX, BLOCK_P)
         for t0 in range(0, tiles, partials):
             t = t0 + tl.program_id(0)   # past the last tile: all masked out
             rm = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -323,6 +327,17 @@ if AVAILABLE:
 
     _launch_partial_amax = Launcher(_partial_amax_kernel)
     _launch_current_cast = Launcher(_current_cast_kernel)
+
+
+# The cast launch of a current-scaling cast reduces the partial amaxes in a block of at
+# least this many lanes (masked past the count): one binary for every partial count up
+# to it, not one per power of two of the row count.
+_PARTIALS_BLOCK = 1024
+
+
+def partials_block(partials: int) -> int:
+    """BLOCK_P (a constexpr) of a cast launch that reduces ``partials`` partial amaxes."""
+    return max(_PARTIALS_BLOCK, triton.next_power_of_2(partials))
 
 
 def current_programs(tiles: int) -> int:
@@ -352,7 +367,7 @@ def current_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool, amax_
                          x, partial, m, n, sm, sn, tiles_n, tiles, programs, _TILE_M, _TILE_N)
     count = non_finite is not None
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(programs)
+    block_p = partials_block(programs)
     key = (spec, dtype, data, transpose, epsilon, power_2_scale, count,
            count and aligned(non_finite), block_p, _TILE_M, _TILE_N, _WARPS)
     _launch_current_cast((programs, 1, 1), _WARPS, key, x, q if data else scale_inv,

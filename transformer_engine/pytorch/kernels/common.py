@@ -17,6 +17,22 @@ NOTE [FP8 cast formula]
     against torch's conversion on every bfloat16 value and every tie), and `round_to`
     rounds to bfloat16 (which the interpreter truncates).
 
+NOTE [FP8 stores]
+    The producers (norm_cast, act_cast, dact_cast) write each FP8 value from the thread
+    that computed it, one byte store per element (`store_fp8`), and never hand FP8
+    data to `tl.store`. A `tl.store` gets the layout that suits its addresses, so the
+    row-major and the transposed copy of one tile need the tile in two layouts, and
+    Triton converts the cheapest value: for a float32 input, the FP8 tile. On sm_90
+    Triton 3.6 lowers some 8-bit layout conversions (through ldmatrix / stmatrix) to
+    PTX that reads registers it never writes, and the ptxas it ships (12.8) then
+    compiles bytes of earlier data into the copies: on an H100, float32 inputs whose
+    row length is a multiple of 16 got wrong transposed copies (and a wrong row-major
+    one in some gated activations); bfloat16 and float16 inputs, converted before the
+    cast, did not. `store_fp8` is an inline-assembly store with no layout of its own, so
+    no conversion of FP8 data is ever made; `launch.Launcher` checks each compiled
+    kernel's PTX for reads of registers it never writes (`launch.undefined_registers`).
+    Under the interpreter it is `tl.store`.
+
 Imported only by the kernel files of this package, so only where Triton imports.
 """
 
@@ -128,6 +144,21 @@ if AVAILABLE:
         def to_fp8(y, OUT_DTYPE: tl.constexpr):
             """float32 -> FP8, round to nearest even (NOTE [FP8 cast formula])."""
             return y.to(OUT_DTYPE)
+
+    if INTERPRET:
+        @triton.jit
+        def store_fp8(ptrs, q, mask):
+            """``q`` (FP8) to ``ptrs`` where ``mask`` (NOTE [FP8 stores])."""
+            tl.store(ptrs, q, mask=mask)
+    else:
+        @triton.jit
+        def store_fp8(ptrs, q, mask):
+            """``q`` (FP8) to ``ptrs`` where ``mask``, one byte store per element from
+            the thread that holds it: no layout conversion (NOTE [FP8 stores])."""
+            tl.inline_asm_elementwise(
+                "@$3 st.global.b8 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r,b",
+                [ptrs, q.to(tl.uint8, bitcast=True).to(tl.int32), mask], dtype=tl.int32,
+                is_pure=False, pack=1)
 
     @triton.jit
     def fold_amax(amax_ptr, index, bits):

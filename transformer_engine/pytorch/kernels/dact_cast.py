@@ -27,8 +27,9 @@ if AVAILABLE:
     import triton.language as tl
 
     from .activations import act_bwd, act_fwd
-    from .casts import finish_current_scale
-    from .common import TL_FP8, fold_amax, round_to, saturate, tile_amax_bits, to_fp8
+    from .casts import finish_current_scale, partials_block
+    from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
+                         to_fp8)
 
 __all__ = ["dact_cast"]
 
@@ -42,10 +43,10 @@ if AVAILABLE:
                    FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, WRITE_Q: tl.constexpr,
                    WRITE_QT: tl.constexpr):
         q = to_fp8(saturate(v, scale, FP8_MAX), OUT_DTYPE)
-        if WRITE_Q:
-            tl.store(q_ptr + rm64[:, None] * W + cols64[None, :], q, mask=mask)
+        if WRITE_Q:     # NOTE [FP8 stores] in common.py
+            store_fp8(q_ptr + rm64[:, None] * W + cols64[None, :], q, mask)
         if WRITE_QT:
-            tl.store(qt_ptr + cols64[None, :] * M + rm64[:, None], q, mask=mask)
+            store_fp8(qt_ptr + cols64[None, :] * M + rm64[:, None], q, mask)
 
     # rows and counts derived from them are not specialized on (one binary for every
     # number of rows)
@@ -73,9 +74,10 @@ if AVAILABLE:
             if (g == 0) & (j == 0):
                 tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
         elif MODE == 2:
+            # one program of the 2-D grid writes scale_inv and counts
             scale = finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
-                                         amax_epsilon, FP8_MAX, EPSILON, POW2, COUNT, FP32_MAX,
-                                         BLOCK_P)
+                                         amax_epsilon, (g == 0) & (j == 0), FP8_MAX, EPSILON, POW2,
+                                         COUNT, FP32_MAX, BLOCK_P)
         rn = j * BLOCK_N + tl.arange(0, BLOCK_N)
         rn64 = rn.to(tl.int64)
         cmask = rn < F
@@ -166,7 +168,7 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
     has_amax = delayed and amax_history is not None
     count = non_finite is not None and not delayed
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(partials)
+    block_p = partials_block(partials)
     dummy = scale_inv
     spec = (x.dtype, dy.dtype, dtype, code, gated, aligned(x), aligned(dy), int_spec(f),
             int_spec(x.stride(0)), int_spec(dy.stride(0)), data, transpose, want_dbias, epsilon,
@@ -177,15 +179,19 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
               amax_history if has_amax else dummy, index, scale_inv,
               partial if not delayed else dummy, partials, non_finite if count else dummy,
               float(amax_epsilon), m, f, x.stride(0), dy.stride(0), groups, code, gated)
-    tail = (has_amax, want_dbias, _tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon,
-            power_2_scale, count, FP32_MAX, block_p, _TILE_M, _TILE_N)
+    # BLOCK_P (`casts.partials_block` of the row-dependent partial count) is read by the
+    # cast launch only: the others get 1, the cast's key holds it
+    tail = (_tl_dtype(x.dtype), FP8_MAX[dtype], TL_FP8[dtype], epsilon, power_2_scale, count,
+            FP32_MAX)
     grid = (groups, tiles_f, 1)
     if delayed:
-        _launch(grid, _WARPS, (spec, 0), *common, 0, data, transpose, *tail)
+        _launch(grid, _WARPS, (spec, 0), *common, 0, data, transpose, has_amax, want_dbias,
+                *tail, 1, _TILE_M, _TILE_N)
     else:
-        _launch(grid, _WARPS, (spec, 1), *common, 1, False, False, *tail)
-        no_sums = (has_amax, False) + tail[2:]
-        _launch(grid, _WARPS, (spec, 2), *common, 2, data, transpose, *no_sums)
+        _launch(grid, _WARPS, (spec, 1), *common, 1, False, False, has_amax, want_dbias,
+                *tail, 1, _TILE_M, _TILE_N)
+        _launch(grid, _WARPS, (spec, 2, block_p), *common, 2, data, transpose, has_amax, False,
+                *tail, block_p, _TILE_M, _TILE_N)
     dbias = None
     if want_dbias:
         total = sums[0] if groups == 1 else sums.sum(0)

@@ -26,7 +26,9 @@ Imported only by the kernel files of this package, so only where Triton imports.
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+import re
+import warnings
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,7 +44,8 @@ except ImportError:  # pragma: no cover - older Triton: every launch through the
     _knobs = None
 
 __all__ = ["Launcher", "int_spec", "aligned", "direct_launch_supported",
-           "DIRECT_LAUNCH_TRITON_VERSIONS", "INTERPRET"]
+           "DIRECT_LAUNCH_TRITON_VERSIONS", "INTERPRET", "undefined_registers",
+           "suspect_compiles"]
 
 _INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
@@ -104,6 +107,78 @@ def _known_options(options: dict) -> dict:
     return {k: v for k, v in options.items() if k in known}
 
 
+# PTX instructions without a destination operand: every register they name is read.
+_NO_DEST = ("st.", "stmatrix", "bar", "bra", "red.", "fence", "membar", "prefetch", "ret",
+            "exit", "trap", "cp.async", "barrier", "griddepcontrol")
+_REG = re.compile(r"%[a-z]+[0-9]+")
+_SPECIAL = re.compile(r"%(clock64|pm[0-9]+|envreg[0-9]+)$")      # special registers: read-only
+_GUARD = re.compile(r"^@!?(%[a-z]+[0-9]+)\s+")
+
+
+def undefined_registers(ptx: str) -> List[str]:
+    """The registers that the PTX of a kernel reads and never writes (NOTE [FP8
+    stores] in common.py): each instruction's first operand is what it writes, but for
+    the stores, barriers and branches, which write nothing."""
+    written, read = set(), set()
+    for line in ptx.splitlines():
+        for stmt in line.split("//", 1)[0].split(";"):
+            stmt = stmt.strip().lstrip("{}").strip()
+            guard = _GUARD.match(stmt)
+            if guard:
+                read.add(guard.group(1))
+                stmt = stmt[guard.end():]
+            if not stmt or stmt[0] in ".$" or stmt.endswith(":") or " " not in stmt:
+                continue
+            opcode, operands = stmt.split(None, 1)
+            if opcode.startswith(_NO_DEST):
+                read.update(_REG.findall(operands))
+                continue
+            depth, cut = 0, len(operands)      # the first operand ends at a top-level comma
+            for i, ch in enumerate(operands):
+                depth += ch in "{[" and 1 or (ch in "}]" and -1 or 0)
+                if ch == "," and depth == 0:
+                    cut = i
+                    break
+            written.update(_REG.findall(operands[:cut]))
+            read.update(_REG.findall(operands[cut:]))
+    return sorted(r for r in read - written if not _SPECIAL.match(r))
+
+
+# (kernel name, registers) of each compiled kernel whose PTX reads registers it never
+# writes; `Launcher` adds to it and warns once per compiled kernel
+_SUSPECT: List[Tuple[str, Tuple[str, ...]]] = []
+_CHECKED: set = set()
+
+
+def suspect_compiles() -> List[Tuple[str, Tuple[str, ...]]]:
+    """The kernels compiled so far in this process whose PTX reads registers it never
+    writes (the GPU tests require none)."""
+    return list(_SUSPECT)
+
+
+def _check_ptx(kernel, compiled) -> None:
+    asm = getattr(compiled, "asm", None)
+    tag = getattr(compiled, "hash", None) or id(compiled)
+    if asm is None or tag in _CHECKED:
+        return
+    _CHECKED.add(tag)
+    try:
+        ptx = asm["ptx"]
+    except (KeyError, TypeError):      # a cache that keeps binaries only
+        return
+    regs = undefined_registers(ptx)
+    if regs:
+        name = getattr(kernel, "__name__", str(kernel))
+        _SUSPECT.append((name, tuple(regs)))
+        warnings.warn(
+            f"Triton compiled {name} to PTX that reads registers it never writes "
+            f"({', '.join(regs[:4])}{', ...' if len(regs) > 4 else ''}); the ptxas of "
+            f"Triton 3.6 miscompiles such code (see NOTE [FP8 stores] in "
+            f"transformer_engine/pytorch/kernels/common.py): its outputs may be wrong. "
+            f"NVTE_FUSED_FP8_KERNELS=0 (KernelConfig(fused=False)) runs the torch ops "
+            f"instead.", RuntimeWarning, stacklevel=3)
+
+
 class Launcher:
     """Launches one JIT kernel (NOTE [Launch overhead]). The caller passes ``key``:
     everything the JIT specializes the kernel on (dtypes, constexpr values, int and
@@ -121,7 +196,9 @@ class Launcher:
 
     def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:
         if not (_DIRECT_LAUNCH_OK and get_kernel_config().direct_launch):
-            self.kernel[grid](*args, num_warps=num_warps, **self.options)
+            compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
+            if not INTERPRET:
+                _check_ptx(self.kernel, compiled)
             return
         # Triton launches on the current device; CUDA is initialized by the time a
         # module casts on it, so torch.cuda.current_device()'s lazy-init check is skipped
@@ -129,6 +206,7 @@ class Launcher:
         entry = self.compiled.get((device, key))
         if entry is None or _hooks_registered():
             compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
+            _check_ptx(self.kernel, compiled)
             if (entry is None and compiled is not None
                     and getattr(compiled, "function", None) is not None):
                 self.compiled[(device, key)] = (compiled.run, compiled.function,

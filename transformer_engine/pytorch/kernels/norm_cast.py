@@ -36,8 +36,9 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .casts import finish_current_scale
-    from .common import TL_FP8, fold_amax, round_to, saturate, tile_amax_bits, to_fp8
+    from .casts import finish_current_scale, partials_block
+    from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
+                         to_fp8)
 
 __all__ = ["norm_cast"]
 
@@ -83,8 +84,8 @@ if AVAILABLE:
                 tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
         elif MODE == 2:
             scale = finish_current_scale(partial_ptr, partials, scale_inv_ptr, non_finite_ptr,
-                                         amax_epsilon, FP8_MAX, EPSILON, POW2, COUNT, FP32_MAX,
-                                         BLOCK_P)
+                                         amax_epsilon, pid == 0, FP8_MAX, EPSILON, POW2,
+                                         COUNT, FP32_MAX, BLOCK_P)
         mean = tl.zeros([BLOCK_M], dtype=tl.float32)
         if MODE == 2:
             rstd = tl.load(rstd_ptr + r64, mask=rmask, other=0.0)
@@ -139,10 +140,10 @@ if AVAILABLE:
                 best = tl.maximum(best, tile_amax_bits(v, mask))
             if MODE != 1:
                 q = to_fp8(saturate(v, scale, FP8_MAX), OUT_DTYPE)
-                if WRITE_Q:
-                    tl.store(q_ptr + r64[:, None] * N + c64[None, :], q, mask=mask)
+                if WRITE_Q:     # NOTE [FP8 stores] in common.py
+                    store_fp8(q_ptr + r64[:, None] * N + c64[None, :], q, mask)
                 if WRITE_QT:
-                    tl.store(qt_ptr + c64[None, :] * M + r64[:, None], q, mask=mask)
+                    store_fp8(qt_ptr + c64[None, :] * M + r64[:, None], q, mask)
         if MODE == 0:
             if WRITE_AMAX:
                 fold_amax(amax_ptr, index, best)
@@ -190,7 +191,7 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     has_bias = bias is not None and not rms
     count = non_finite is not None and not delayed
     epsilon = amax_epsilon > 0
-    block_p = triton.next_power_of_2(programs)
+    block_p = partials_block(programs)
     dummy = scale_inv
     spec = (x.dtype, weight.dtype, has_bias and bias.dtype, out_dtype, dtype, rms,
             zero_centered_gamma, aligned(x), aligned(weight), has_bias and aligned(bias),
@@ -204,14 +205,18 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
               partial if not delayed else dummy, programs, non_finite if count else dummy,
               float(amax_epsilon), m, n, x.stride(0), float(eps), rms, zero_centered_gamma,
               has_bias)
+    # BLOCK_P (`casts.partials_block` of the row-dependent program count) is read by the
+    # cast launch only: the others get 1, the cast's key holds it
     tail = (_TL[out_dtype], FP8_MAX[dtype], TL_FP8[dtype], epsilon, power_2_scale, count,
-            FP32_MAX, block_p, _BLOCK_M, block_n)
+            FP32_MAX)
     grid = (programs, 1, 1)
     if delayed:
         _launch(grid, _WARPS, (spec, 0, write_y), *common, 0, write_y, data, transpose,
-                has_amax, *tail)
+                has_amax, *tail, 1, _BLOCK_M, block_n)
     else:
         _launch(grid, _WARPS, (spec, 1, write_y), *common, 1, write_y, False, False, False,
-                *tail)
-        _launch(grid, _WARPS, (spec, 2), *common, 2, False, data, transpose, False, *tail)
+                *tail, 1, _BLOCK_M, block_n)
+        cast_args = common[:3] + (dummy,) + common[4:]     # (the cast writes no y)
+        _launch(grid, _WARPS, (spec, 2, block_p), *cast_args, 2, False, data, transpose, False,
+                *tail, block_p, _BLOCK_M, block_n)
     return y, q, q_t, scale_inv, stats
