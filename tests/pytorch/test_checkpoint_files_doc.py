@@ -45,7 +45,8 @@ def test_one_process_resume_runs_and_its_planner_refuses_other_objects(tmp_path)
 def test_fsdp2_script_runs_under_torchrun(tmp_path):
     script = tmp_path / "fsdp2_resume.py"
     script.write_text(_blocks()[1])
-    env = dict(os.environ, CHECKPOINT_DIR=str(tmp_path / "checkpoint"),
+    # PYTHONFAULTHANDLER: a rank that dies in C++ still prints where Python was
+    env = dict(os.environ, CHECKPOINT_DIR=str(tmp_path / "checkpoint"), PYTHONFAULTHANDLER="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", str(script)], env=env, cwd=tmp_path,
