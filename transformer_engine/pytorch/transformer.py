@@ -302,6 +302,12 @@ class TransformerLayer(torch.nn.Module):
                              f"got {hidden_states.shape[0]}")
         if self.layer_type == "decoder" and encoder_output is None:
             raise ValueError(f"{api}: layer_type='decoder' needs encoder_output")
+        device_type = hidden_states.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Under torch.autocast the layer runs in the autocast dtype from its input on,
+            # residuals included (as TE's does), so its output has that dtype; the
+            # input's gradient comes back in the input's own dtype through this cast.
+            hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
         if torch.compiler.is_compiling():
             # The residuals follow the input's layout, and so does the gradient of the
             # output; torch's traced dropout backward assumes a contiguous one (its fake
