@@ -26,6 +26,7 @@ TESTS=(
     tests/pytorch/test_checkpoint_api.py
     tests/pytorch/test_weight_cache.py
     tests/pytorch/test_fp8_params.py
+    tests/pytorch/test_fp8_transpose_cache.py
     tests/pytorch/test_fp8_block_params.py
     tests/pytorch/test_quantized_param_moves.py
     tests/pytorch/test_skip_weight_update.py

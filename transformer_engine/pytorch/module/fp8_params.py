@@ -29,7 +29,8 @@ NOTE [FP8 primary weights]
     weights were made for one recipe, run under another, raises TE's "Recipe mismatch"
     ``RuntimeError`` (`check_weight_recipes`; a weight made for DelayedScaling does
     not run under Float8CurrentScaling either, as in TE). A per-tensor weight's
-    transposed copy for the dgrad is made from its FP8 data, the same values. So
+    transposed copy for the dgrad is made from its FP8 data, the same values, and kept
+    in the weight (NOTE [Cached FP8 transpose] in tensor/float8_tensor.py). So
     ``is_first_microbatch`` has nothing to cache, and a recompute under
     ``te.checkpoint`` reads the very FP8 weight its first forward read (nothing can
     write it in between). A forward outside FP8 runs on the dequantized weight. The
@@ -161,7 +162,14 @@ def weight_operands(weight: QuantizedTensor, transpose: bool):
     if isinstance(weight, Float8BlockwiseQTensor):
         return weight.block_operands(transpose)
     w = weight.fp8_operand()
-    return w, (quantize.transpose_fp8(w) if transpose else None)
+    if not transpose:
+        return w, None
+    if weight.dim() != 2 or torch.compiler.is_compiling():     # (no side effect in a trace)
+        return w, quantize.transpose_fp8(w)
+    # cached in the weight (NOTE [Cached FP8 transpose]); none made while a CUDA graph is
+    # captured (it would be a buffer of the graph's pool)
+    keep = not (w.data.is_cuda and torch.cuda.is_current_stream_capturing())
+    return w, weight.transpose_operand(keep)
 
 
 def check_weight_recipes(module, recipe) -> None:

@@ -4,12 +4,24 @@
 behaves to torch: NOTE [Quantized tensor semantics] in quantized_tensor.py.
 
 Its storage is ``_data`` (an FP8 tensor of its shape) and ``_scale_inv`` (float32, one
-element). A write quantizes with the tensor's quantizer: for a module's weight, the
+element), and, once a GEMM needed it, the transposed bits (NOTE [Cached FP8 transpose]). A write quantizes with the tensor's quantizer: for a module's weight, the
 module's delayed-scaling scale (recording the amax) or current scaling
 (module/fp8_params.py); for a tensor without one, current scaling from its own amax.
 ``torch.save`` writes the FP8 bits and ``scale_inv`` (not the quantizer, which may
 refer to a module); reading them back needs ``torch.load(..., weights_only=False)`` or
 ``torch.serialization.safe_globals([rebuild_float8_tensor])``.
+
+NOTE [Cached FP8 transpose]
+    A 2-D Float8Tensor keeps the FP8 bits of its transpose once a GEMM needed them (the
+    dgrad of a training forward), as TE's does: ``_transpose`` holds them, or None
+    when none was made (inference, a forward without grad); ``_transpose_invalid``
+    says whether they are stale. They are made from ``_data``, so they are the same
+    values. A write through the tensor or an alias of it (``.data``, ``detach()``,
+    which share the cache) re-makes them in place, so a captured CUDA graph that
+    reads the buffer sees the new weight; a write into ``_data`` by other means is
+    caught by its version counter (or by setting ``_transpose_invalid = True``, as
+    TE's clients do) and the next use re-makes them. Copies (``clone``, ``.to``,
+    ``deepcopy``, pickling) start without one.
 """
 
 from __future__ import annotations
@@ -68,6 +80,26 @@ def as_matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() >= 1 else x.reshape(1, 1)
 
 
+class _TransposeCache:
+    """The FP8 bits of a Float8Tensor's transpose, shared by the tensor and its aliases
+    (``detach``, ``.data``: the same ``_data``), so that a write through any of them
+    keeps it right. ``version``: ``_data._version`` when the bits were made (None:
+    never made, or ``_data`` keeps no version counter, as an inference tensor)."""
+
+    __slots__ = ("data", "version")
+
+    def __init__(self):
+        self.data: Optional[torch.Tensor] = None
+        self.version: Optional[int] = None
+
+
+def _data_version(data: torch.Tensor) -> Optional[int]:
+    try:
+        return data._version
+    except RuntimeError:        # an inference tensor has no version counter
+        return None
+
+
 class Float8Tensor(QuantizedTensor):
     """FP8 ``data`` with its ``scale_inv``, standing for ``data * scale_inv`` in the
     nominal ``dtype`` (NOTE [Quantized tensor semantics]). ``quantizer`` (an object
@@ -92,6 +124,7 @@ class Float8Tensor(QuantizedTensor):
         self._data = data.contiguous()
         self._scale_inv = scale_inv.reshape(1)
         self._quantizer = quantizer
+        self._transpose_cache = _TransposeCache()
         return self
 
     @property
@@ -101,6 +134,44 @@ class Float8Tensor(QuantizedTensor):
     def fp8_operand(self) -> Float8Data:
         """The FP8 GEMM operand: this tensor's own data and ``scale_inv``."""
         return Float8Data(self._data, self._scale_inv)
+
+    # ---- the cached transpose (NOTE [Cached FP8 transpose]) -------------------------
+    @property
+    def _transpose(self) -> Optional[torch.Tensor]:
+        """TE's attribute: the FP8 bits of the 2-D transpose, if one was made (else None)."""
+        return self._transpose_cache.data
+
+    @property
+    def _transpose_invalid(self) -> bool:
+        """TE's attribute: True when `_transpose` does not hold the transpose of the
+        current data (none made, or the data written since)."""
+        cache = self._transpose_cache
+        return (cache.data is None or cache.version is None
+                or cache.version != _data_version(self._data))
+
+    @_transpose_invalid.setter
+    def _transpose_invalid(self, invalid: bool) -> None:
+        # TE's clients mark the transpose stale after writing _data themselves
+        if invalid:
+            self._transpose_cache.version = None
+
+    def transpose_operand(self, keep: bool = True) -> Float8Data:
+        """``fp8_operand()`` transposed (2-D), bit for bit: the cached copy when it is
+        current, else made (into the cached buffer when there is one) and, with
+        ``keep``, cached."""
+        cache = self._transpose_cache
+        if not self._transpose_invalid:
+            return Float8Data(cache.data, self._scale_inv)
+        fresh = quantize.transpose_fp8(self.fp8_operand())
+        if not keep:
+            return fresh
+        version = _data_version(self._data)
+        if cache.data is not None and cache.data.shape == fresh.data.shape:
+            cache.data.copy_(fresh.data)        # the same buffer: a captured graph reads it
+        else:
+            cache.data = fresh.data
+        cache.version = version
+        return Float8Data(cache.data, self._scale_inv)
 
     def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         with torch.no_grad():
@@ -120,13 +191,24 @@ class Float8Tensor(QuantizedTensor):
     def _store(self, q: Float8Data) -> None:
         self._data.copy_(q.data.reshape(self._data.shape))
         self._scale_inv.copy_(q.scale_inv.reshape(1))
+        if self._transpose_cache.data is not None and self._data.dim() == 2:
+            # a transpose in use is kept current, in place (this write, made below
+            # autograd, did not move the version counter)
+            self._transpose_cache.version = None
+            self.transpose_operand()
+
+    def _own_attributes(self) -> frozenset:
+        return super()._own_attributes() | {"_transpose_cache"}
 
     def _storage(self):
         return {"_data": self._data, "_scale_inv": self._scale_inv}
 
     def _rebuilt(self, storage, dtype: torch.dtype) -> "Float8Tensor":
-        return Float8Tensor(storage["_data"], storage["_scale_inv"], dtype,
-                            self.__dict__.get("_quantizer"))
+        new = Float8Tensor(storage["_data"], storage["_scale_inv"], dtype,
+                           self.__dict__.get("_quantizer"))
+        if storage["_data"] is self._data:      # an alias (detach, .data): one transpose
+            new._transpose_cache = self._transpose_cache
+        return new
 
     # ---- Python protocols -------------------------------------------------------
     def __repr__(self, *, tensor_contents=None) -> str:
