@@ -273,8 +273,6 @@ UNSUPPORTED = [
     (lambda: te.Linear(16, 16, symmetric_ar_type="two_shot"), "symmetric_ar_type='two_shot'"),
     (lambda: te.Linear(16, 16, device="cpu")(torch.randn(2, 16), fp8_output=True),
      "fp8_output=True"),
-    (lambda: te.Linear(16, 16, save_original_input=True, device="cpu")(torch.randn(2, 16)),
-     "save_original_input=True"),
     (lambda: te.Linear(16, 32, parameters_split=("a", "b"), fuse_wgrad_accumulation=True),
      "fuse_wgrad_accumulation=True with parameters_split"),
     (lambda: te.LayerNormLinear(16, 16, ub_bulk_wgrad=True), "ub_bulk_wgrad=True"),

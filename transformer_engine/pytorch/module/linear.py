@@ -2,6 +2,17 @@
 
 The GEMM names (forward, dgrad, wgrad) are those of NOTE [GEMM vocabulary] in
 `quantize.py`; which scale each cast uses is decided by `ForwardPlan` (base.py).
+
+NOTE [Saving the original input]
+    With ``save_original_input=True`` (TE's te.Linear argument) an FP8 forward keeps
+    the high-precision input for backward instead of its transposed FP8 copy (a saving
+    when another module keeps that input alive anyway), and the backward casts it
+    again for the wgrad GEMM with the cast the forward would have made: current
+    scaling from its own amax, block scaling in its blocks. That cast depends only on
+    the input's values, so outputs and gradients are those of the default path, bit
+    for bit. DelayedScaling is refused (its cast needs the forward's scale and records
+    an amax), as in TE; without FP8 or with a backward override the flag changes
+    nothing.
 """
 
 from __future__ import annotations
@@ -68,15 +79,23 @@ class _LinearCall:
     (autograd's ``apply`` inspects every argument: fewer is cheaper on the host)."""
 
     __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad", "input_fp8",
-                 "grad_handoff", "weight_ops")
+                 "grad_handoff", "weight_ops", "save_original")
 
     def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
-                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None, weight_ops=None):
+                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None, weight_ops=None,
+                 save_original: bool = False):
         self.plan, self.fp8_meta, self.gemm = plan, fp8_meta, gemm
         self.out_dtype, self.fuse_wgrad = out_dtype, fuse_wgrad
         self.input_fp8, self.grad_handoff = input_fp8, grad_handoff
         # the FP8 weight made before the call, while dynamo traces (NOTE [torch.compile])
         self.weight_ops = weight_ops
+        # NOTE [Saving the original input]
+        self.save_original = save_original
+
+
+class _OriginalInput:
+    """The ``x_t_kind`` of a call that saved its high-precision input (NOTE [Saving the
+    original input])."""
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -101,6 +120,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         override = backward_override(plan.recipe)
         fp8_backward = override is None
+        save_x = (call.save_original and fp8_backward and need_wgrad
+                  and call.input_fp8 is None)
         with no_autocast(x.device.type):
             if call.input_fp8 is not None:      # fused producers: FP8 backward only
                 x_fp8, x_t = call.input_fp8
@@ -110,17 +131,23 @@ class _FP8LinearFunction(torch.autograd.Function):
                                         fmt.dtype_fwd, need_dgrad)
             elif call.weight_ops is not None:   # (made outside, while dynamo traces)
                 x_fp8, x_t = cast_operand(x, plan, state, i, fmt.dtype_fwd, plan.record_amax,
-                                          "fwd_inp", transpose=need_wgrad and fp8_backward)
+                                          "fwd_inp",
+                                          transpose=need_wgrad and fp8_backward and not save_x)
                 w_fp8, w_t = call.weight_ops
             else:
                 (x_fp8, x_t), (w_fp8, w_t) = forward_operands(x, weight, plan, fp8_meta, state,
                                                               i, gemm, fmt.dtype_fwd,
-                                                              need_wgrad and fp8_backward,
+                                                              need_wgrad and fp8_backward
+                                                              and not save_x,
                                                               need_dgrad and fp8_backward)
             y = _gemm(x_fp8, w_fp8, call.out_dtype, bias,
                       _fast_accum(plan.recipe, "fp8_gemm_fprop", True))
         ctx.override = override
-        if fp8_backward:
+        if save_x:
+            (x_t_data, x_t_scale_inv), ctx.x_t_kind = (x, None), _OriginalInput
+            (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
+            ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
+        elif fp8_backward:
             (x_t_data, x_t_scale_inv), ctx.x_t_kind = _saved(x_t)
             (w_t_data, w_t_scale_inv), ctx.w_t_kind = _saved(w_t)
             ctx.save_for_backward(x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv)
@@ -167,7 +194,9 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dgrad = _gemm(dy_fp8, w_t, ctx.x_dtype,
                               fast_accum=_fast_accum(plan.recipe, "fp8_gemm_dgrad", False))
             if need_wgrad:
-                x_t = _restored(ctx.x_t_kind, x_t_data, x_t_scale_inv)
+                x_t = (_requantized_input(x_t_data, plan, fmt.dtype_fwd)
+                       if ctx.x_t_kind is _OriginalInput
+                       else _restored(ctx.x_t_kind, x_t_data, x_t_scale_inv))
                 fast = _fast_accum(plan.recipe, "fp8_gemm_wgrad", False)
                 if ctx.main_grad_weight is None:
                     wgrad = _gemm(dy_t, x_t, ctx.w_dtype, fast_accum=fast)
@@ -183,6 +212,18 @@ class _FP8LinearFunction(torch.autograd.Function):
         elif plan.bwd_update_gemm == ctx.gemm:      # NOTE [torch.compile]
             torch_compile.backward_update(ctx.fp8_meta, plan.recipe, plan.group)
         return dgrad, wgrad, dbias, None
+
+
+def _requantized_input(x: torch.Tensor, plan: ForwardPlan, dtype: torch.dtype):
+    """The wgrad operand ``x_fp8^T`` cast again from the saved high-precision input
+    (NOTE [Saving the original input]): the cast the forward would have made, no amax
+    or non-finite count recorded a second time."""
+    if plan.recipe.float8_block_scaling():
+        return block_scaling.cast_for_role(plan.recipe, "fwd_inp", x, dtype, False, True,
+                                           count_non_finite=False)[1]
+    q = plan.recipe.fp8_quant_fwd_inp
+    return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon, None,
+                                         data=False, transpose=True)[1]
 
 
 def _dbias(ctx, dy: torch.Tensor) -> Optional[torch.Tensor]:
@@ -225,7 +266,8 @@ def _override_backward(ctx, dy: torch.Tensor):
 def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                plan: ForwardPlan, fp8_meta: dict, gemm: int = 0,
                fuse_wgrad_accumulation: bool = False, input_name: str = "input",
-               weight_name: str = "weight", input_fp8=None, grad_handoff=None) -> torch.Tensor:
+               weight_name: str = "weight", input_fp8=None, grad_handoff=None,
+               save_original_input: bool = False) -> torch.Tensor:
     """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
     slots in the module's scaling state. ``fuse_wgrad_accumulation``: the wgrad goes
@@ -233,7 +275,8 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     ``input_name`` / ``weight_name`` name the tensors in a shape error (NOTE [FP8
     shapes] in fp8_shapes.py). ``input_fp8`` / ``grad_handoff``: the input's FP8 copies
     made by its producer, the output gradient's made by the next layer's backward
-    (FP8 only; NOTE [Fused producers] in fused_producers.py)."""
+    (FP8 only; NOTE [Fused producers] in fused_producers.py). ``save_original_input``:
+    NOTE [Saving the original input]."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
@@ -265,10 +308,17 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             and not plan.recipe.float8_block_scaling():
         quantize.check_fp8_matrix(api, input_name, x.shape)
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
+    if save_original_input and plan.delayed and torch.is_grad_enabled() \
+            and weight.requires_grad and backward_override(plan.recipe) is None:
+        raise ValueError(f"{api}: save_original_input=True does not work with the "
+                         "DelayedScaling recipe (the wgrad's input cast needs the forward's "
+                         "scale); use Float8CurrentScaling or Float8BlockScaling, or "
+                         "save_original_input=False")
     call = (_LinearCall(plan, fp8_meta, gemm, out_dtype, fuse_wgrad_accumulation, input_fp8,
                         grad_handoff)
             if not plan.traced else _traced_call(plan, fp8_meta, gemm, out_dtype,
                                                  fuse_wgrad_accumulation, x2d, weight))
+    call.save_original = save_original_input
     y = _FP8LinearFunction.apply(x2d, weight, bias, call)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
@@ -357,8 +407,12 @@ class Linear(TransformerEngineBaseModule):
         ``reset_parameters()`` (NOTE [Parameter initialization] in params.py).
     name : str, optional
         TE's module name (for messages).
+    save_original_input : bool, default False
+        Save the high-precision input for backward instead of its FP8 copy, and cast it
+        again there for the wgrad GEMM (NOTE [Saving the original input]); not with
+        DelayedScaling (``ValueError``). An attribute, which may be set later.
     ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
-    delay_wgrad_compute, symmetric_ar_type, save_original_input
+    delay_wgrad_compute, symmetric_ar_type
         Not implemented: anything but the default raises ``NotImplementedError``.
         ``ub_name`` is accepted (it only names a Userbuffers buffer).
     """
@@ -429,10 +483,9 @@ class Linear(TransformerEngineBaseModule):
         micro-batches, NOTE [FP8 weight cache] in fp8_operands.py). ``fp8_output`` /
         ``fp8_grad`` (FP8 tensors out of the module) are not implemented."""
         api = "te.Linear"
-        if not (fp8_output is False and fp8_grad is False and self.save_original_input is False):
+        if not (fp8_output is False and fp8_grad is False):
             reject_unsupported(f"{api}.forward", fp8_output=(fp8_output, False),
-                               fp8_grad=(fp8_grad, False),
-                               save_original_input=(self.save_original_input, False))
+                               fp8_grad=(fp8_grad, False))
         if not torch.is_tensor(inp):
             raise TypeError(f"{api}: input must be a tensor, got {type(inp).__name__}")
         inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
@@ -443,7 +496,8 @@ class Linear(TransformerEngineBaseModule):
             row = self.tp.parallel_mode == "row"
             fused_bias = None if (self.return_bias or row) else bias
             out = fp8_linear(self.named_api(api), inp, weight, fused_bias, plan, self.fp8_meta,
-                             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+                             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+                             save_original_input=bool(self.save_original_input))
             out = self.tp.row_output(out)
         if self.return_bias:
             return out, bias
