@@ -4,7 +4,8 @@
 behaves to torch: NOTE [Quantized tensor semantics] in quantized_tensor.py.
 
 Its storage is ``_data`` (an FP8 tensor of its shape) and ``_scale_inv`` (float32, one
-element), and, once a GEMM needed it, the transposed bits (NOTE [Cached FP8 transpose]). A write quantizes with the tensor's quantizer: for a module's weight, the
+element), and, once a GEMM needed it, the transposed bits (NOTE [Cached FP8
+transpose]). A write quantizes with the tensor's quantizer: for a module's weight, the
 module's delayed-scaling scale (recording the amax) or current scaling
 (module/fp8_params.py); for a tensor without one, current scaling from its own amax.
 ``torch.save`` writes the FP8 bits and ``scale_inv`` (not the quantizer, which may
