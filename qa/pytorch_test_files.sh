@@ -17,6 +17,7 @@ TESTS=(
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
     tests/pytorch/test_linear_save_original_input.py
+    tests/pytorch/test_delay_wgrad_compute.py
     tests/pytorch/test_autocast_dtypes.py
     tests/pytorch/test_grouped_linear.py
     tests/pytorch/test_fp8_activation_recompute.py

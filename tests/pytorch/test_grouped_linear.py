@@ -195,12 +195,11 @@ def test_bad_m_splits(m_splits, error, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(delay_wgrad_compute=True), r"delay_wgrad_compute=True is not implemented"),
     (dict(ub_overlap_ag=True), r"ub_overlap_ag=True is not implemented"),
     (dict(ub_overlap_rs=True), r"ub_overlap_rs=True is not implemented"),
     (dict(parallel_mode="column", tp_size=2), r"tensor parallelism \(parallel_mode='column' "
                                               r"with tp_size=2\) is not implemented"),
-], ids=["delay-wgrad", "ub-ag", "ub-rs", "tensor-parallel"])
+], ids=["ub-ag", "ub-rs", "tensor-parallel"])
 def test_unimplemented_arguments(kwargs, match):
     with pytest.raises(NotImplementedError, match=match):
         te.GroupedLinear(2, 32, 32, device="cpu", **kwargs)

@@ -269,7 +269,6 @@ def test_dot_product_attention_extra_state():
 
 UNSUPPORTED = [
     (lambda: te.Linear(16, 16, ub_overlap_ag=True), "ub_overlap_ag=True"),
-    (lambda: te.Linear(16, 16, delay_wgrad_compute=True), "delay_wgrad_compute=True"),
     (lambda: te.Linear(16, 16, symmetric_ar_type="two_shot"), "symmetric_ar_type='two_shot'"),
     (lambda: te.Linear(16, 16, device="cpu")(torch.randn(2, 16), fp8_output=True),
      "fp8_output=True"),

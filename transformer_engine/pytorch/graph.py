@@ -227,7 +227,8 @@ class _GraphedCallable:
 
     def backward_dw(self) -> None:
         """TE's ``backward_dw()``: the deferred weight-gradient graph of modules with
-        ``delay_wgrad_compute``, which this package does not implement: nothing to run."""
+        ``delay_wgrad_compute``, which are not graphed here (refused at capture):
+        nothing to run."""
 
     def __call__(self, *args, **kwargs):
         if self.setting.weight_caching:
@@ -375,6 +376,15 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     single, callables, args, kwargs = normalize(modules, sample_args, sample_kwargs)
     default_order(_order, _num_layers_per_chunk, len(callables))
     hooks = check_capture_time_hooks(capture_time_hooks, len(callables))
+    for fn in callables:
+        delaying = [m for m in (fn.modules() if isinstance(fn, torch.nn.Module) else ())
+                    if getattr(m, "need_backward_dw", None) is not None and m.need_backward_dw()]
+        if delaying:
+            raise NotImplementedError(
+                f"{API}: a module built with delay_wgrad_compute=True "
+                f"({type(delaying[0]).__name__}) cannot be graphed here: its deferred wgrad "
+                "GEMMs would have to be captured in a graph of their own; build it with "
+                "delay_wgrad_compute=False or run it eagerly")
     if not torch.cuda.is_available():
         raise RuntimeError(f"{API}: CUDA graphs need a CUDA device, and none is available")
     check_devices(callables, args, kwargs)

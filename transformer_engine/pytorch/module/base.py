@@ -18,7 +18,9 @@ from ..kernel_config import get_kernel_config
 from ..model_init import model_init_state
 from ..scaling import ScalingState
 from ..tensor import Float8Tensor, QuantizedTensor
+from ..utils import check_bool
 from . import extra_state, fp8_params
+from .delayed_wgrad import WeightGradStore
 from .params import ParameterInitMixin
 
 __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
@@ -155,10 +157,53 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         amax_update.make_compiled_counter("cpu")
         torch_compile.PENDING.add(self)
         torch_compile.MODULES.add(self)
+        # NOTE [Delayed wgrad] in delayed_wgrad.py: a module that delays its wgrad has a
+        # WeightGradStore here; the hooks run after backward_dw()
+        self.wgrad_store = None
+        self.wgrad_accumulation_and_reduce_hooks = []
         init = model_init_state()
         # the model-init recipe (None: high-precision weights)
         self.fp8_weight_recipe = init.recipe
         self.preserve_high_precision_init_val = init.preserve_high_precision_init_val
+
+    # ---- delayed weight gradients (NOTE [Delayed wgrad] in delayed_wgrad.py) -----------
+    def need_backward_dw(self) -> bool:
+        """TE's query: whether this module delays its wgrad (``backward_dw()`` has work)."""
+        store = self.__dict__.get("wgrad_store")
+        return store is not None and store.delay_wgrad_compute()
+
+    def _init_delay_wgrad(self, api: str, delay_wgrad_compute, split: bool = False) -> None:
+        """The constructor's ``delay_wgrad_compute``: a `WeightGradStore` when True (not
+        with ``parameters_split``: one wgrad per GEMM weight)."""
+        if check_bool(api, "delay_wgrad_compute", delay_wgrad_compute):
+            if split:
+                raise NotImplementedError(f"{api}: delay_wgrad_compute=True with "
+                                          "parameters_split is not implemented; use one weight")
+            self.wgrad_store = WeightGradStore(True)
+
+    def _forward_wgrad_store(self) -> Optional[WeightGradStore]:
+        """The store this forward's GEMMs defer their wgrads to (None: no delay)."""
+        return self.wgrad_store if self.need_backward_dw() else None
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients the backwards since the last call deferred
+        (``delay_wgrad_compute=True``), oldest first, and deliver them where the
+        undelayed backward would have; then run the hooks of
+        `register_wgrad_accumulation_and_reduce_hooks`. Nothing for other modules."""
+        if not self.need_backward_dw():
+            return
+        self.wgrad_store.run_all()
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """TE's hook list: ``hook()`` runs at the end of each `backward_dw` (Megatron
+        reduces the weight gradients there)."""
+        if not callable(hook):
+            raise TypeError(f"{self.named_api(type(self).__name__)}."
+                            "register_wgrad_accumulation_and_reduce_hooks: hook must be "
+                            f"callable, got {type(hook).__name__}")
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
 
     # ---- FP8 primary weights (NOTE [FP8 primary weights]) ---------------------------
     @property

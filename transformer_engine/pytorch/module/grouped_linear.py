@@ -72,7 +72,10 @@ class GroupedLinear(TransformerEngineBaseModule):
     device : torch.device, optional
         CUDA if available, else CPU, when None; ``"meta"`` defers initialization.
     name : str, optional
-    ub_overlap_rs, ub_overlap_ag, delay_wgrad_compute, save_original_input
+    delay_wgrad_compute : bool, default False
+        The backward computes the input and bias gradients only; ``backward_dw()``
+        computes the weight gradients later (NOTE [Delayed wgrad] in delayed_wgrad.py).
+    ub_overlap_rs, ub_overlap_ag, save_original_input
         Not implemented: anything but the default raises ``NotImplementedError``.
         ``ub_name`` is accepted (it only names a Userbuffers buffer).
     """
@@ -91,8 +94,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         num_gemms = check_positive_int(_API, "num_gemms", num_gemms)
         super().__init__(num_gemms=num_gemms, name=name)
         reject_unsupported(_API, ub_overlap_rs=(ub_overlap_rs, False),
-                           ub_overlap_ag=(ub_overlap_ag, False),
-                           delay_wgrad_compute=(delay_wgrad_compute, False))
+                           ub_overlap_ag=(ub_overlap_ag, False))
+        self._init_delay_wgrad(_API, delay_wgrad_compute)
         # an attribute, as in TE: Megatron-LM sets it after construction
         self.save_original_input = check_bool(_API, "save_original_input", save_original_input)
         self.num_gemms = num_gemms
@@ -170,7 +173,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                                plan if x_i.shape[0] else empty_plan, self.fp8_meta, gemm=i,
                                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
                                input_name=f"input rows of GEMM {i} (m_splits[{i}]={m})",
-                               weight_name=f"weight{i}")
+                               weight_name=f"weight{i}", wgrad_store=self._forward_wgrad_store())
                     for i, (x_i, w_i, b_i, m) in enumerate(zip(torch.split(x2d, splits),
                                                                weights, biases, splits))]
         out = torch.cat(outs, dim=0).view(*inp.shape[:-1], self.out_features)

@@ -74,8 +74,12 @@ class LayerNormLinear(TransformerEngineBaseModule):
     device : torch.device, optional
         CUDA if available, else CPU, when None; ``"meta"`` defers initialization.
     name : str, optional
+    delay_wgrad_compute : bool, default False
+        The backward computes the input and bias gradients only; ``backward_dw()``
+        computes the weight gradient later (NOTE [Delayed wgrad] in
+        delayed_wgrad.py). Not with ``parameters_split``.
     ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_wgrad, ub_bulk_dgrad,
-    delay_wgrad_compute, symmetric_ar_type
+    symmetric_ar_type
         Not implemented: anything but the default raises ``NotImplementedError``.
 
     Returns
@@ -103,7 +107,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
                            ub_overlap_rs_dgrad=(ub_overlap_rs_dgrad, False),
                            ub_bulk_wgrad=(ub_bulk_wgrad, False),
                            ub_bulk_dgrad=(ub_bulk_dgrad, False),
-                           delay_wgrad_compute=(delay_wgrad_compute, False),
                            symmetric_ar_type=(symmetric_ar_type, None))
         if parallel_mode == "row":
             raise ValueError(f"{api}: parallel_mode='row' would split the input features, "
@@ -125,6 +128,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                                                   fuse_wgrad_accumulation)
         check_init_args(api, init_method, get_rng_state_tracker, None)
         parts = split_parameters(api, parameters_split, out_features)
+        self._init_delay_wgrad(api, delay_wgrad_compute, parameters_split is not None)
         if parameters_split is not None and self.fuse_wgrad_accumulation:
             raise NotImplementedError(f"{api}: fuse_wgrad_accumulation=True with parameters_split "
                                       "is not implemented (one weight.main_grad per module); "
@@ -180,7 +184,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
             out = fp8_linear(self.named_api(api), gemm_in, weight,
                              None if self.return_bias else bias, plan, self.fp8_meta,
                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                             input_name="normalized input", input_fp8=ln_fp8)
+                             input_name="normalized input", input_fp8=ln_fp8,
+                             wgrad_store=self._forward_wgrad_store())
         if (self.return_layernorm_output_gathered and self.tp.sequence_parallel
                 and self.tp.size > 1):
             ln_out = gemm_in                    # the all-gathered normalization output

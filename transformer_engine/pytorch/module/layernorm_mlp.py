@@ -134,8 +134,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
         Recompute FC1 -> activation -> FC2 during backward instead of keeping their
         activations (through ``te.checkpoint``, non-reentrant, so FP8 scales are kept
         right), whenever grad is enabled. The normalization output is kept.
+    delay_wgrad_compute : bool, default False
+        The backward computes the input and bias gradients only; ``backward_dw()``
+        computes the weight gradients later (NOTE [Delayed wgrad] in delayed_wgrad.py).
     ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
-    delay_wgrad_compute, symmetric_ar_type
+    symmetric_ar_type
         Not implemented: anything but the default raises ``NotImplementedError``.
 
     Returns
@@ -168,9 +171,9 @@ class LayerNormMLP(TransformerEngineBaseModule):
                            ub_overlap_rs_dgrad=(ub_overlap_rs_dgrad, False),
                            ub_bulk_dgrad=(ub_bulk_dgrad, False),
                            ub_bulk_wgrad=(ub_bulk_wgrad, False),
-                           delay_wgrad_compute=(delay_wgrad_compute, False),
                            symmetric_ar_type=(symmetric_ar_type, None),
                            activation_params=(activation_params, None))
+        self._init_delay_wgrad(api, delay_wgrad_compute)
         self.set_parallel_mode = check_bool(api, "set_parallel_mode", set_parallel_mode)
         self.tp_fc1 = TensorParallelConfig(api, "column" if set_parallel_mode else None,
                                            tp_group, tp_size, sequence_parallel,
@@ -253,7 +256,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         handoff = GradHandoff() if act_fused else None
         fc1_out = fp8_linear(api, fc1_in, self.fc1_weight, self.fc1_bias, plan, self.fp8_meta,
                              gemm=0, fuse_wgrad_accumulation=fuse, input_name="FC1 input",
-                             weight_name="fc1_weight", input_fp8=ln_fp8, grad_handoff=handoff)
+                             weight_name="fc1_weight", input_fp8=ln_fp8, grad_handoff=handoff,
+                             wgrad_store=self._forward_wgrad_store())
         act_fp8 = None
         if act_fused:
             act_out, act_fp8 = act_cast_input(
@@ -268,7 +272,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         out = self.tp_fc2.row_output(fp8_linear(
             api, act_out, self.fc2_weight, fc2_bias, plan, self.fp8_meta, gemm=1,
             fuse_wgrad_accumulation=fuse, input_name="FC2 input (the activation output)",
-            weight_name="fc2_weight", input_fp8=act_fp8))
+            weight_name="fc2_weight", input_fp8=act_fp8,
+            wgrad_store=self._forward_wgrad_store()))
         if row and not self.return_bias and self.fc2_bias is not None:
             out = out + self.fc2_bias.to(out.dtype)
         return out

@@ -33,7 +33,9 @@ from .backward_override import backward_override, operands_to_save, override_gra
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
 from .fp8_operands import cast_operand, fp8_weight, forward_operands
-from .main_grad import accumulate_into_main_grad, check_main_grad, linear_into_main_grad
+from .delayed_wgrad import accumulate_grad, capture_output_grad, deferred_linear_wgrad
+from .main_grad import (accumulate_into_main_grad, check_main_grad, linear_into_main_grad,
+                        main_grad_placeholder)
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
 
@@ -79,7 +81,7 @@ class _LinearCall:
     (autograd's ``apply`` inspects every argument: fewer is cheaper on the host)."""
 
     __slots__ = ("plan", "fp8_meta", "gemm", "out_dtype", "fuse_wgrad", "input_fp8",
-                 "grad_handoff", "weight_ops", "save_original")
+                 "grad_handoff", "weight_ops", "save_original", "wgrad_store")
 
     def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
                  fuse_wgrad: bool, input_fp8=None, grad_handoff=None, weight_ops=None,
@@ -91,6 +93,8 @@ class _LinearCall:
         self.weight_ops = weight_ops
         # NOTE [Saving the original input]
         self.save_original = save_original
+        # NOTE [Delayed wgrad] in delayed_wgrad.py
+        self.wgrad_store = None
 
 
 class _OriginalInput:
@@ -159,6 +163,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.plan, ctx.fp8_meta, ctx.gemm = plan, fp8_meta, gemm
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.main_grad_weight = weight if call.fuse_wgrad else None
+        ctx.wgrad_store = call.wgrad_store
+        if call.wgrad_store is not None:
+            ctx.weight = weight     # (the parameter the delayed wgrad is delivered to)
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.grad_handoff = call.grad_handoff
         if call.grad_handoff is not None:
@@ -198,11 +205,15 @@ class _FP8LinearFunction(torch.autograd.Function):
                        if ctx.x_t_kind is _OriginalInput
                        else _restored(ctx.x_t_kind, x_t_data, x_t_scale_inv))
                 fast = _fast_accum(plan.recipe, "fp8_gemm_wgrad", False)
-                if ctx.main_grad_weight is None:
-                    wgrad = _gemm(dy_t, x_t, ctx.w_dtype, fast_accum=fast)
-                else:       # NOTE [Fused wgrad accumulation] in main_grad.py
-                    wgrad = accumulate_into_main_grad(
-                        ctx.main_grad_weight, _gemm(dy_t, x_t, torch.float32, fast_accum=fast))
+                main_grad_weight, w_dtype = ctx.main_grad_weight, ctx.w_dtype
+
+                def wgrad_gemm():
+                    if main_grad_weight is None:
+                        return _gemm(dy_t, x_t, w_dtype, fast_accum=fast)
+                    # NOTE [Fused wgrad accumulation] in main_grad.py
+                    return accumulate_into_main_grad(
+                        main_grad_weight, _gemm(dy_t, x_t, torch.float32, fast_accum=fast))
+                wgrad = _wgrad_now_or_later(ctx, wgrad_gemm)
             if handed is None:
                 dbias = _dbias(ctx, dy)
             elif ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -212,6 +223,21 @@ class _FP8LinearFunction(torch.autograd.Function):
         elif plan.bwd_update_gemm == ctx.gemm:      # NOTE [torch.compile]
             torch_compile.backward_update(ctx.fp8_meta, plan.recipe, plan.group)
         return dgrad, wgrad, dbias, None
+
+
+def _wgrad_now_or_later(ctx, wgrad_gemm):
+    """The weight gradient autograd gets: ``wgrad_gemm()`` run now, or, for a module
+    that delays it, stored for ``backward_dw()`` and the placeholder the undelayed
+    backward would give (NOTE [Delayed wgrad] in delayed_wgrad.py)."""
+    store = ctx.wgrad_store
+    if store is None:
+        return wgrad_gemm()
+    weight, fused = ctx.weight, ctx.main_grad_weight is not None
+    if fused:
+        store.put(wgrad_gemm)
+        return main_grad_placeholder(weight)
+    store.put(lambda: accumulate_grad(weight, wgrad_gemm()))
+    return None
 
 
 def _requantized_input(x: torch.Tensor, plan: ForwardPlan, dtype: torch.dtype):
@@ -256,9 +282,14 @@ def _override_backward(ctx, dy: torch.Tensor):
     x_a, x_b, w_a, w_b = ctx.saved_tensors
     with no_autocast(dy.device.type):
         dy = dy.contiguous()
-        dgrad, wgrad = override_grads(dy, _restored_any(ctx.x_kind, x_a, x_b),
+        x_operand = _restored_any(ctx.x_kind, x_a, x_b)
+        delayed = ctx.wgrad_store is not None and x_operand is not None
+        dgrad, wgrad = override_grads(dy, None if delayed else x_operand,
                                       _restored_any(ctx.w_kind, w_a, w_b), ctx.x_dtype,
                                       ctx.w_dtype, ctx.main_grad_weight)
+        if delayed:
+            wgrad = _wgrad_now_or_later(ctx, lambda: override_grads(
+                dy, x_operand, None, ctx.x_dtype, ctx.w_dtype, ctx.main_grad_weight)[1])
         dbias = _dbias(ctx, dy)
     return dgrad, wgrad, dbias, None
 
@@ -267,7 +298,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                plan: ForwardPlan, fp8_meta: dict, gemm: int = 0,
                fuse_wgrad_accumulation: bool = False, input_name: str = "input",
                weight_name: str = "weight", input_fp8=None, grad_handoff=None,
-               save_original_input: bool = False) -> torch.Tensor:
+               save_original_input: bool = False, wgrad_store=None) -> torch.Tensor:
     """``x W^T + b`` for ``x: [..., K]``, ``W: [N, K]``: in FP8 when ``plan.fp8``, else an
     ordinary linear (recording amaxes when calibrating). ``gemm`` picks this GEMM's
     slots in the module's scaling state. ``fuse_wgrad_accumulation``: the wgrad goes
@@ -276,7 +307,8 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     shapes] in fp8_shapes.py). ``input_fp8`` / ``grad_handoff``: the input's FP8 copies
     made by its producer, the output gradient's made by the next layer's backward
     (FP8 only; NOTE [Fused producers] in fused_producers.py). ``save_original_input``:
-    NOTE [Saving the original input]."""
+    NOTE [Saving the original input]. ``wgrad_store``: the module's `WeightGradStore`
+    when it delays its wgrad (NOTE [Delayed wgrad] in delayed_wgrad.py)."""
     in_features, out_features = weight.shape[1], weight.shape[0]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"{api}: the input's last dimension must be in_features={in_features}, "
@@ -286,7 +318,10 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     check_input_dtype(api, x, weight, plan.fp8)
     if fuse_wgrad_accumulation:
         check_main_grad(api, weight)
+    if wgrad_store is not None and not (torch.is_grad_enabled() and weight.requires_grad):
+        wgrad_store = None                      # no wgrad to delay
     if not plan.fp8:
+        param = weight
         if isinstance(weight, QuantizedTensor) and not fuse_wgrad_accumulation:
             weight = weight.dequantize()        # (the main-grad path reads the weight itself)
         if plan.record_amax:
@@ -295,7 +330,10 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             state.record_amax(i, quantize.amax(x))
             state.record_amax(i + 1, quantize.amax(weight))
         if fuse_wgrad_accumulation:
-            return linear_into_main_grad(x, weight, bias)
+            return linear_into_main_grad(x, weight, bias, wgrad_store)
+        if wgrad_store is not None:             # NOTE [Delayed wgrad] in delayed_wgrad.py
+            sink = deferred_linear_wgrad(wgrad_store, x, param, activation_dtype(x))
+            return capture_output_grad(F.linear(x, weight.detach(), bias), sink)
         return F.linear(x, weight, bias)
     out_dtype = activation_dtype(x)
     if out_dtype not in _ACT_DTYPES:
@@ -318,7 +356,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                         grad_handoff)
             if not plan.traced else _traced_call(plan, fp8_meta, gemm, out_dtype,
                                                  fuse_wgrad_accumulation, x2d, weight))
-    call.save_original = save_original_input
+    call.save_original, call.wgrad_store = save_original_input, wgrad_store
     y = _FP8LinearFunction.apply(x2d, weight, bias, call)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
@@ -411,8 +449,12 @@ class Linear(TransformerEngineBaseModule):
         Save the high-precision input for backward instead of its FP8 copy, and cast it
         again there for the wgrad GEMM (NOTE [Saving the original input]); not with
         DelayedScaling (``ValueError``). An attribute, which may be set later.
+    delay_wgrad_compute : bool, default False
+        The backward computes the input and bias gradients only; ``backward_dw()``
+        computes the weight gradient later (NOTE [Delayed wgrad] in
+        delayed_wgrad.py). Not with ``parameters_split``.
     ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad,
-    delay_wgrad_compute, symmetric_ar_type
+    symmetric_ar_type
         Not implemented: anything but the default raises ``NotImplementedError``.
         ``ub_name`` is accepted (it only names a Userbuffers buffer).
     """
@@ -435,7 +477,6 @@ class Linear(TransformerEngineBaseModule):
                         ub_overlap_rs=(ub_overlap_rs, False),
                         ub_overlap_rs_dgrad=(ub_overlap_rs_dgrad, False),
                         ub_bulk_dgrad=(ub_bulk_dgrad, False), ub_bulk_wgrad=(ub_bulk_wgrad, False),
-                        delay_wgrad_compute=(delay_wgrad_compute, False),
                         symmetric_ar_type=(symmetric_ar_type, None))
         # an attribute, as in TE: Megatron-LM sets it after construction
         self.save_original_input = check_bool(api, "save_original_input", save_original_input)
@@ -454,6 +495,7 @@ class Linear(TransformerEngineBaseModule):
             raise NotImplementedError(f"{api}: fuse_wgrad_accumulation=True with parameters_split "
                                       "is not implemented (one weight.main_grad per module); "
                                       "use one weight")
+        self._init_delay_wgrad(api, delay_wgrad_compute, parameters_split is not None)
         local_in = (self.tp.local_features("in_features", in_features)
                     if parallel_mode == "row" else in_features)
         self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
@@ -497,7 +539,8 @@ class Linear(TransformerEngineBaseModule):
             fused_bias = None if (self.return_bias or row) else bias
             out = fp8_linear(self.named_api(api), inp, weight, fused_bias, plan, self.fp8_meta,
                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                             save_original_input=bool(self.save_original_input))
+                             save_original_input=bool(self.save_original_input),
+                             wgrad_store=self._forward_wgrad_store())
             out = self.tp.row_output(out)
         if self.return_bias:
             return out, bias

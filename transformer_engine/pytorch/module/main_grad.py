@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from .base import activation_dtype, no_autocast
 
-__all__ = ["check_main_grad", "accumulate_into_main_grad", "linear_into_main_grad"]
+__all__ = ["check_main_grad", "accumulate_into_main_grad", "linear_into_main_grad",
+           "main_grad_placeholder"]
 
 _MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,6 +51,12 @@ def accumulate_into_main_grad(weight: torch.Tensor, wgrad32: torch.Tensor
     """``weight.main_grad += wgrad32``; returns what autograd gets for the weight
     (NOTE [Fused wgrad accumulation])."""
     weight.main_grad.add_(wgrad32)
+    return main_grad_placeholder(weight)
+
+
+def main_grad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """What autograd gets for a weight whose wgrad goes into ``main_grad`` (NOTE [Fused
+    wgrad accumulation]), with Megatron's flag set where it has one."""
     if hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True
         return torch.zeros_like(weight)
@@ -66,13 +73,13 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                out_dtype: torch.dtype):
+                out_dtype: torch.dtype, wgrad_store=None):
         with no_autocast(x.device.type):
             x_c, w_c = x.to(out_dtype), weight.to(out_dtype)
             b_c = bias.to(out_dtype) if bias is not None else None
             y = F.linear(x_c, w_c, b_c)
         ctx.save_for_backward(x_c, w_c)
-        ctx.weight, ctx.x_dtype = weight, x.dtype
+        ctx.weight, ctx.x_dtype, ctx.wgrad_store = weight, x.dtype, wgrad_store
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -85,15 +92,23 @@ class _LinearIntoMainGrad(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dgrad = (dy @ w_c).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                x2d = x_c.reshape(-1, x_c.shape[-1])
-                wgrad32 = dy2d.t().to(torch.float32) @ x2d.to(torch.float32)
-                wgrad = accumulate_into_main_grad(ctx.weight, wgrad32)
+                x2d, weight = x_c.reshape(-1, x_c.shape[-1]), ctx.weight
+
+                def wgrad_into_main_grad():
+                    wgrad32 = dy2d.t().to(torch.float32) @ x2d.to(torch.float32)
+                    return accumulate_into_main_grad(weight, wgrad32)
+                if ctx.wgrad_store is None:
+                    wgrad = wgrad_into_main_grad()
+                else:       # NOTE [Delayed wgrad] in delayed_wgrad.py
+                    ctx.wgrad_store.put(wgrad_into_main_grad)
+                    wgrad = main_grad_placeholder(weight)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 dbias = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dgrad, wgrad, dbias, None
+        return dgrad, wgrad, dbias, None, None
 
 
 def linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor,
-                          bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The high-precision linear of a module built with ``fuse_wgrad_accumulation``."""
-    return _LinearIntoMainGrad.apply(x, weight, bias, activation_dtype(x))
+                          bias: Optional[torch.Tensor], wgrad_store=None) -> torch.Tensor:
+    """The high-precision linear of a module built with ``fuse_wgrad_accumulation``
+    (its wgrad deferred into ``wgrad_store`` when given: NOTE [Delayed wgrad])."""
+    return _LinearIntoMainGrad.apply(x, weight, bias, activation_dtype(x), wgrad_store)
