@@ -164,12 +164,13 @@ def weight_operands(weight: QuantizedTensor, transpose: bool):
     w = weight.fp8_operand()
     if not transpose:
         return w, None
-    if weight.dim() != 2 or torch.compiler.is_compiling():     # (no side effect in a trace)
+    # cached in the weight (NOTE [Cached FP8 transpose]); made afresh while dynamo traces
+    # (no side effect in a trace) or a CUDA graph is captured (its replays then
+    # transpose whatever the weight holds, however it was written)
+    if (weight.dim() != 2 or torch.compiler.is_compiling()
+            or (w.data.is_cuda and torch.cuda.is_current_stream_capturing())):
         return w, quantize.transpose_fp8(w)
-    # cached in the weight (NOTE [Cached FP8 transpose]); none made while a CUDA graph is
-    # captured (it would be a buffer of the graph's pool)
-    keep = not (w.data.is_cuda and torch.cuda.is_current_stream_capturing())
-    return w, weight.transpose_operand(keep)
+    return w, weight.transpose_operand()
 
 
 def check_weight_recipes(module, recipe) -> None:

@@ -18,11 +18,11 @@ NOTE [Cached FP8 transpose]
     when none was made (inference, a forward without grad); ``_transpose_invalid``
     says whether they are stale. They are made from ``_data``, so they are the same
     values. A write through the tensor or an alias of it (``.data``, ``detach()``,
-    which share the cache) re-makes them in place, so a captured CUDA graph that
-    reads the buffer sees the new weight; a write into ``_data`` by other means is
-    caught by its version counter (or by setting ``_transpose_invalid = True``, as
-    TE's clients do) and the next use re-makes them. Copies (``clone``, ``.to``,
-    ``deepcopy``, pickling) start without one.
+    which share the cache) re-makes them in place; a write into ``_data`` by other
+    means is caught by its version counter (or by setting ``_transpose_invalid =
+    True``, as TE's clients do) and the next use re-makes them. A forward traced by
+    dynamo or captured in a CUDA graph transposes afresh and leaves the cache alone.
+    Copies (``clone``, ``.to``, ``deepcopy``, pickling) start without one.
 """
 
 from __future__ import annotations
