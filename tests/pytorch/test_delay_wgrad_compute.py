@@ -165,3 +165,11 @@ def test_refusals():
     mod = te.Linear(32, 32, delay_wgrad_compute=True, device="cpu")
     with pytest.raises(NotImplementedError, match="delay_wgrad_compute=True .* cannot be graphed"):
         te.make_graphed_callables(mod, (torch.randn(16, 32, requires_grad=True),))
+
+
+def test_torch_compile_is_refused_clearly():
+    mod = te.Linear(32, 32, delay_wgrad_compute=True, device="cpu")
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="delay_wgrad_compute=True under torch.compile is not "
+                                        "implemented"):
+        compiled(torch.randn(16, 32, requires_grad=True))

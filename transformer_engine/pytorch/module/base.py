@@ -183,7 +183,15 @@ class TransformerEngineBaseModule(ParameterInitMixin):
 
     def _forward_wgrad_store(self) -> Optional[WeightGradStore]:
         """The store this forward's GEMMs defer their wgrads to (None: no delay)."""
-        return self.wgrad_store if self.need_backward_dw() else None
+        if not self.need_backward_dw():
+            return None
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"{self.named_api(type(self).__name__)}: delay_wgrad_compute=True under "
+                "torch.compile is not implemented (the deferred wgrad GEMMs are a side "
+                "effect of the backward a compiled graph cannot have); run the module "
+                "eagerly or build it with delay_wgrad_compute=False")
+        return self.wgrad_store
 
     def backward_dw(self) -> None:
         """Compute the weight gradients the backwards since the last call deferred
