@@ -173,3 +173,26 @@ def test_torch_compile_is_refused_clearly():
     with pytest.raises(Exception, match="delay_wgrad_compute=True under torch.compile is not "
                                         "implemented"):
         compiled(torch.randn(16, 32, requires_grad=True))
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("recipe", [pytest.param(None, id="no-fp8"),
+                                    pytest.param(DelayedScaling(), id="delayed")])
+def test_under_te_checkpoint(recipe, use_reentrant):
+    """A checkpointed delaying module: its wgrads are deferred from the recompute's
+    backward, and equal the undelayed, uncheckpointed run's."""
+    ref, mod = _pair("LayerNormMLP", recipe, False, bias=True, device="cpu")
+    x = torch.randn(16, 2, 32)
+    outs = []
+    for m in (ref, mod):
+        xi = x.clone().requires_grad_()
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = (m(xi) if m is ref else
+                 te.checkpoint(m, xi, use_reentrant=use_reentrant))
+        y.sum().backward()
+        if m is mod:
+            assert mod.wgrad_store.pending() == 2 and mod.fc1_weight.grad is None
+        m.backward_dw()
+        outs.append([y, xi.grad] + _grads(m))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)

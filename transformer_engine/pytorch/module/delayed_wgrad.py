@@ -24,8 +24,9 @@ from collections import deque
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["WeightGradStore", "accumulate_grad", "capture_output_grad"]
+__all__ = ["WeightGradStore", "accumulate_grad", "deferred_linear"]
 
 
 class WeightGradStore:
@@ -61,43 +62,40 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = param.grad + grad
 
 
-class _CaptureGrad(torch.autograd.Function):
-    """Identity whose backward hands the gradient passing through to ``sink``."""
+class _DeferredLinearWgrad(torch.autograd.Function):
+    """Identity on ``y``, the output of ``F.linear(x, weight.detach(), bias)``, whose
+    backward stores the wgrad GEMM of that linear in ``store``. ``x_c`` is the input
+    in the activation dtype, saved for backward like any activation (so a checkpoint
+    drops and recomputes it)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, sink: Callable[[torch.Tensor], None]):
-        ctx.sink = sink
+    def forward(ctx, y: torch.Tensor, x_c: torch.Tensor, weight: torch.Tensor,
+                store: WeightGradStore):
+        ctx.save_for_backward(x_c)
+        ctx.weight, ctx.store = weight, store
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        ctx.sink(dy)
-        return dy, None
-
-
-def capture_output_grad(y: torch.Tensor, sink: Callable[[torch.Tensor], None]
-                        ) -> torch.Tensor:
-    """``y`` whose gradient, when backward reaches it, is handed to ``sink``."""
-    return _CaptureGrad.apply(y, sink)
-
-
-def deferred_linear_wgrad(store: WeightGradStore, x: torch.Tensor, weight: torch.Tensor,
-                          out_dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
-    """The sink of a high-precision ``F.linear(x, weight.detach(), b)`` output: it
-    stores the wgrad GEMM ``dy^T x``, in the operand order and dtype autograd's
-    derivative of ``F.linear`` uses (``x`` taken in the activation dtype
-    ``out_dtype``, as ``torch.autocast`` gives it), the result rounded to the weight's
-    dtype as autograd's cast back does."""
-    x2d = x.detach().to(out_dtype).reshape(-1, x.shape[-1])
-
-    def sink(dy: torch.Tensor) -> None:
-        dy2d = dy.reshape(-1, dy.shape[-1])
+        (x_c,) = ctx.saved_tensors
+        x2d, dy2d = x_c.reshape(-1, x_c.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        weight = ctx.weight
 
         def compute() -> None:
+            # the GEMM autograd's derivative of F.linear runs for the weight (the same
+            # operands and layouts: the same bits), rounded to the weight's dtype as
+            # autograd's cast back from the autocast dtype does
             accumulate_grad(weight, dy2d.t().mm(x2d).to(weight.dtype))
-        store.put(compute)
-    return sink
+        ctx.store.put(compute)
+        return dy, None, None, None
 
 
-def optional_store(delay: bool) -> Optional[WeightGradStore]:
-    return WeightGradStore(True) if delay else None
+def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    weight_value: torch.Tensor, store: WeightGradStore,
+                    act_dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(x, weight_value, bias)`` in high precision whose wgrad goes to
+    ``store`` for ``weight`` (``weight_value``: the weight's value, e.g. an FP8
+    primary weight dequantized); input and bias gradients come from autograd's own
+    derivative of ``F.linear``, as without the delay."""
+    y = F.linear(x, weight_value.detach(), bias)
+    return _DeferredLinearWgrad.apply(y, x.detach().to(act_dtype), weight, store)

@@ -33,7 +33,7 @@ from .backward_override import backward_override, operands_to_save, override_gra
 from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
                    no_autocast)
 from .fp8_operands import cast_operand, fp8_weight, forward_operands
-from .delayed_wgrad import accumulate_grad, capture_output_grad, deferred_linear_wgrad
+from .delayed_wgrad import accumulate_grad, deferred_linear
 from .main_grad import (accumulate_into_main_grad, check_main_grad, linear_into_main_grad,
                         main_grad_placeholder)
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
@@ -332,8 +332,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         if fuse_wgrad_accumulation:
             return linear_into_main_grad(x, weight, bias, wgrad_store)
         if wgrad_store is not None:             # NOTE [Delayed wgrad] in delayed_wgrad.py
-            sink = deferred_linear_wgrad(wgrad_store, x, param, activation_dtype(x))
-            return capture_output_grad(F.linear(x, weight.detach(), bias), sink)
+            return deferred_linear(x, param, bias, weight, wgrad_store, activation_dtype(x))
         return F.linear(x, weight, bias)
     out_dtype = activation_dtype(x)
     if out_dtype not in _ACT_DTYPES:
