@@ -133,3 +133,19 @@ def test_copies_start_without_a_transpose():
                    module.weight.to(torch.bfloat16)):
         assert isinstance(copied, Float8Tensor)
         assert copied._transpose is None and copied._transpose_invalid
+
+
+def test_clients_may_drop_or_set_it():
+    module = _build("Linear", Float8CurrentScaling())
+    x = torch.randn(32, 32, requires_grad=True)
+    _forward("Linear", module, x, Float8CurrentScaling()).sum().backward()
+    weight = module.weight
+    weight._transpose = None                    # what TE's CPU offloading does
+    assert weight._transpose is None and weight._transpose_invalid
+    bits = _transposed_bits(weight).view(weight._data.dtype)
+    weight._transpose = bits                    # own bits: stale until said current
+    assert weight._transpose is bits and weight._transpose_invalid
+    weight._transpose_invalid = False
+    assert not weight._transpose_invalid
+    _forward("Linear", module, x, Float8CurrentScaling()).sum().backward()
+    assert weight._transpose is bits

@@ -20,7 +20,9 @@ NOTE [Cached FP8 transpose]
     values. A write through the tensor or an alias of it (``.data``, ``detach()``,
     which share the cache) re-makes them in place; a write into ``_data`` by other
     means is caught by its version counter (or by setting ``_transpose_invalid =
-    True``, as TE's clients do) and the next use re-makes them. A forward traced by
+    True``, as TE's clients do) and the next use re-makes them. Both attributes may be
+    set, as on TE's tensor: ``_transpose = None`` drops the bits; bits put there count
+    once ``_transpose_invalid = False`` says they are current. A forward traced by
     dynamo or captured in a CUDA graph transposes afresh and leaves the cache alone.
     Copies (``clone``, ``.to``, ``deepcopy``, pickling) start without one.
 """
@@ -142,6 +144,13 @@ class Float8Tensor(QuantizedTensor):
         """TE's attribute: the FP8 bits of the 2-D transpose, if one was made (else None)."""
         return self._transpose_cache.data
 
+    @_transpose.setter
+    def _transpose(self, bits: Optional[torch.Tensor]) -> None:
+        # TE's clients drop it (None, e.g. before offloading) or put their own bits,
+        # which count as current once _transpose_invalid is set False
+        cache = self._transpose_cache
+        cache.data, cache.version = bits, None
+
     @property
     def _transpose_invalid(self) -> bool:
         """TE's attribute: True when `_transpose` does not hold the transpose of the
@@ -152,9 +161,9 @@ class Float8Tensor(QuantizedTensor):
 
     @_transpose_invalid.setter
     def _transpose_invalid(self, invalid: bool) -> None:
-        # TE's clients mark the transpose stale after writing _data themselves
-        if invalid:
-            self._transpose_cache.version = None
+        # TE's clients mark the transpose stale after writing _data themselves, or
+        # current after writing both
+        self._transpose_cache.version = None if invalid else _data_version(self._data)
 
     def transpose_operand(self, keep: bool = True) -> Float8Data:
         """``fp8_operand()`` transposed (2-D), bit for bit: the cached copy when it is
