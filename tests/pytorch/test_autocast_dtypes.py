@@ -8,6 +8,7 @@ import torch
 
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
+from helpers import DEVICES
 
 RECIPES = [None, recipe.DelayedScaling(), recipe.Float8CurrentScaling(),
            recipe.Float8BlockScaling()]
@@ -55,3 +56,21 @@ def test_output_has_the_autocast_dtype(name, fp8_recipe, dtype, frozen):
     for pname, p in module.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.dtype == torch.float32, pname
+
+
+@pytest.mark.parametrize("fp8_recipe", [None, recipe.DelayedScaling(), recipe.Float8CurrentScaling()],
+                         ids=["no-fp8", "delayed", "current"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_transformer_layer_on_each_device(device, fp8_recipe):
+    """TE's AMP sanity check on the layer: output in the autocast dtype, float32
+    input and parameter gradients (on CUDA the FP8 GEMMs are real)."""
+    layer = te.TransformerLayer(64, 256, 4, params_dtype=torch.float32, device=device)
+    x = torch.randn(32, 2, 64, device=device, requires_grad=True)
+    mask = torch.randint(2, (1, 1, 32, 32), dtype=torch.bool, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        with te.autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe):
+            y = layer(x, attention_mask=mask)
+        loss = y.sum()
+    loss.backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in layer.parameters())
