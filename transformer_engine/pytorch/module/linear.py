@@ -84,17 +84,14 @@ class _LinearCall:
                  "grad_handoff", "weight_ops", "save_original", "wgrad_store")
 
     def __init__(self, plan: ForwardPlan, fp8_meta: dict, gemm: int, out_dtype: torch.dtype,
-                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None, weight_ops=None,
-                 save_original: bool = False):
+                 fuse_wgrad: bool, input_fp8=None, grad_handoff=None, weight_ops=None):
         self.plan, self.fp8_meta, self.gemm = plan, fp8_meta, gemm
         self.out_dtype, self.fuse_wgrad = out_dtype, fuse_wgrad
         self.input_fp8, self.grad_handoff = input_fp8, grad_handoff
         # the FP8 weight made before the call, while dynamo traces (NOTE [torch.compile])
         self.weight_ops = weight_ops
-        # NOTE [Saving the original input]
-        self.save_original = save_original
-        # NOTE [Delayed wgrad] in delayed_wgrad.py
-        self.wgrad_store = None
+        # set by fp8_linear: NOTE [Saving the original input], NOTE [Delayed wgrad]
+        self.save_original, self.wgrad_store = False, None
 
 
 class _OriginalInput:
