@@ -6,7 +6,7 @@ and the failures grouped by message. ``run.sh`` is the entry point (README.md).
 
 Environment: YARDSTICK_WORKERS (processes at once, default 12), YARDSTICK_BUDGET_S
 (seconds for all tests, default 420), YARDSTICK_TEST_TIMEOUT_S (one test, default
-120), PYTHON (default: this interpreter).
+120), YARDSTICK_COMMIT (the commit to report), PYTHON (default: this interpreter).
 
 Each selected file runs as ``FILES[file]`` chunks (every n-th test), each chunk a
 pytest process of its own (so one test file's process state never leaks into
@@ -258,6 +258,10 @@ def _device_and_versions(python, env):
 
 
 def _package_commit():
+    """The package's commit: YARDSTICK_COMMIT when set (a copied working tree may carry
+    a stale .git), else git's HEAD."""
+    if os.environ.get("YARDSTICK_COMMIT"):
+        return "commit " + os.environ["YARDSTICK_COMMIT"]
     try:
         return "commit " + subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                                           capture_output=True, text=True).stdout.strip()
