@@ -629,6 +629,19 @@ def test_layernorm_mlp_fused_equals_unfused(activation, recipe, monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_clamped_swiglu_activation_runs_unfused(recipe, monkeypatch):
+    """The kernels implement the activations without parameters: with "clamped_swiglu"
+    the normalization is fused and the activation and its gradient run unfused (torch's
+    ops, then the cast), giving the fully unfused run bit for bit."""
+    make = lambda: te.LayerNormMLP(64, 96, activation="clamped_swiglu",  # noqa: E731
+                                   activation_params={"limit": 0.5, "alpha": 1.702},
+                                   params_dtype=torch.bfloat16, device=DEVICE)
+    calls = _compare_fused(make, recipe, (32, 64), torch.bfloat16, monkeypatch)
+    assert calls == {"norm": 2, "act": 0, "dact": 0}
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", HP)
 def test_layernorm_mlp_fused_dtypes(dtype, monkeypatch):
     """Parameters and activations in every dtype (RMSNorm, zero-centred gain)."""
