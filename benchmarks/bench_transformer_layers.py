@@ -25,6 +25,13 @@ time over the FP8 row's, same hidden size and mode. The table is printed last; t
 JSON (card, versions, command, every row) goes to ``--out`` (default benchmarks/out).
 ``--fused-producers 0`` runs with the fused producer kernels off (NOTE [Fused
 producers]), for comparison.
+
+``--profile`` breaks each eager row down after timing it: the host time to enqueue
+the forward, the backward and the optimizer step (median over ``--steps`` steps, each
+phase timed on the host without synchronising: where it exceeds the GPU's time the
+step is host-bound), then one torch.profiler pass (3 steps): the GPU's busy time per
+step (union of kernel intervals), kernel launches per layer and the kernels that take
+the most GPU time. A second table prints these.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -42,7 +50,8 @@ sys.path[:0] = [_ROOT, os.path.join(_ROOT, "benchmarks")]
 import torch  # noqa: E402
 
 import transformer_engine.pytorch as te  # noqa: E402
-from common import add_out_argument, environment, table, write_json  # noqa: E402
+from common import (add_out_argument, environment, profile_steps, table,  # noqa: E402
+                    write_json)
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 from transformer_engine.pytorch.kernel_config import kernel_config  # noqa: E402
 
@@ -116,7 +125,44 @@ def run_row(args, hidden: int, precision: str, mode: str) -> dict:
     end.record()
     end.synchronize()
     row["step_ms"] = begin.elapsed_time(end) / args.steps
+    if args.profile and mode == "eager":
+        _profile_row(row, args, fn, x, optimizer)
     return row
+
+
+def _profile_row(row: dict, args, fn, x, optimizer) -> None:
+    """Host enqueue time per phase and the GPU's side of a step (``--profile``)."""
+    phases = {"forward": [], "backward": [], "optimizer": []}
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out = fn(x)
+        t1 = time.perf_counter()
+        out.float().pow(2).mean().backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        x.grad = None
+        t3 = time.perf_counter()
+        phases["forward"].append(t1 - t0)
+        phases["backward"].append(t2 - t1)
+        phases["optimizer"].append(t3 - t2)
+        torch.cuda.synchronize()            # each step's host time alone, queue empty
+    row["host_ms"] = {k: 1e3 * statistics.median(v) for k, v in phases.items()}
+
+    def step():
+        out = fn(x)
+        out.float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        x.grad = None
+    prof = profile_steps({"step": step})["step"]
+    top = sorted(prof["kernel_ms"].items(), key=lambda kv: -kv[1])[:10]
+    row["profile"] = {"gpu_busy_ms": prof["gpu_busy_ms"], "span_ms": prof["span_ms"],
+                      "kernels_per_step": prof["kernels_per_step"],
+                      "kernels_per_layer": prof["kernels_per_step"] / args.layers,
+                      "top_kernels": [{"name": k, "ms_per_step": ms,
+                                       "calls_per_step": prof["kernel_counts"][k]}
+                                      for k, ms in top]}
 
 
 def main(argv=None):
@@ -131,6 +177,8 @@ def main(argv=None):
     p.add_argument("--modes", default="eager,graphed", help="comma-separated; may be empty")
     p.add_argument("--compile", action="store_true", help="add torch.compile rows")
     p.add_argument("--fused-producers", type=int, default=1, choices=(0, 1))
+    p.add_argument("--profile", action="store_true",
+                   help="eager rows: host time per phase, GPU busy time, launches per layer")
     p.add_argument("--name", default="bench_transformer_layers",
                    help="the JSON file's name (before the card)")
     add_out_argument(p)
@@ -174,6 +222,15 @@ def main(argv=None):
           f"{'on' if args.fused_producers else 'off'}")
     print(table(rows, ["hidden", "mode", "precision", "step ms", "bf16/this", "peak GiB",
                        "held GiB", "error"]))
+    profiled = [r for r in result["rows"] if "profile" in r]
+    if profiled:
+        print("eager step, broken down: host enqueue time per phase (median), GPU busy time")
+        print(table([[r["hidden"], r["precision"], f"{r['step_ms']:.2f}",
+                      f"{r['host_ms']['forward']:.2f}", f"{r['host_ms']['backward']:.2f}",
+                      f"{r['host_ms']['optimizer']:.2f}", f"{r['profile']['gpu_busy_ms']:.2f}",
+                      f"{r['profile']['kernels_per_layer']:.0f}"] for r in profiled],
+                    ["hidden", "precision", "step ms", "host fwd", "host bwd", "host opt",
+                     "GPU busy ms", "kernels/layer"]))
     print(f"wrote {path}")
 
 

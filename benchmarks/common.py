@@ -65,3 +65,33 @@ def table(rows, header) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def profile_steps(steps: dict, iters: int = 3) -> dict:
+    """GPU side of each step (torch.profiler, after the timed rounds): time the GPU
+    was busy (union of kernel intervals) against the span from the first kernel to
+    the last, so idle time (the GPU waiting on the host) shows; kernels per step by
+    name."""
+    from torch.profiler import ProfilerActivity, profile
+    report = {}
+    for name, step in steps.items():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+                torch.cuda.synchronize()
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, end, counts, kernel_us = 0.0, float("-inf"), {}, {}
+        for start, stop, kname in kernels:
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+            counts[kname[:120]] = counts.get(kname[:120], 0) + 1
+            kernel_us[kname[:120]] = kernel_us.get(kname[:120], 0.0) + (stop - start)
+        span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+        report[name] = {"gpu_busy_ms": busy / iters / 1e3, "kernels_per_step": len(kernels) / iters,
+                        "kernel_counts": {k: c / iters for k, c in counts.items()},
+                        "kernel_ms": {k: t / iters / 1e3 for k, t in kernel_us.items()},
+                        "span_ms": span / iters / 1e3}
+    return report

@@ -45,6 +45,7 @@ TESTS=(
     tests/pytorch/test_graph_dropout.py
     tests/pytorch/test_rng_tracker.py
     tests/pytorch/test_modules.py
+    tests/pytorch/test_clamped_swiglu.py
     tests/pytorch/test_transformer_layer.py
     tests/pytorch/test_module_api.py
     tests/pytorch/test_module_params.py

@@ -6,7 +6,9 @@ and the failures grouped by message. ``run.sh`` is the entry point (README.md).
 
 Environment: YARDSTICK_WORKERS (processes at once, default 12), YARDSTICK_BUDGET_S
 (seconds for all tests, default 420), YARDSTICK_TEST_TIMEOUT_S (one test, default
-120), PYTHON (default: this interpreter).
+120), YARDSTICK_COMMIT (the commit to report), YARDSTICK_K (a pytest -k expression:
+run only the matching tests; the counts then cover that subset), PYTHON (default:
+this interpreter).
 
 Each selected file runs as ``FILES[file]`` chunks (every n-th test), each chunk a
 pytest process of its own (so one test file's process state never leaks into
@@ -63,6 +65,8 @@ class Unit:
                f"--rootdir={self.tests_dir}", os.path.join(self.tests_dir, self.name),
                f"--yardstick-chunk={self.k}/{self.n}", f"--yardstick-log={self.log}",
                f"--yardstick-test-timeout={test_timeout}"]
+        if os.environ.get("YARDSTICK_K"):          # a subset: counts cover only it
+            cmd += ["-k", os.environ["YARDSTICK_K"]]
         return cmd + (["--yardstick-resume"] if self.runs else [])
 
     def run(self, python, deadline, test_timeout, env):
@@ -258,6 +262,10 @@ def _device_and_versions(python, env):
 
 
 def _package_commit():
+    """The package's commit: YARDSTICK_COMMIT when set (a copied working tree may carry
+    a stale .git), else git's HEAD."""
+    if os.environ.get("YARDSTICK_COMMIT"):
+        return "commit " + os.environ["YARDSTICK_COMMIT"]
     try:
         return "commit " + subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                                           capture_output=True, text=True).stdout.strip()
@@ -289,6 +297,7 @@ def main(argv):
     env = _env()
     meta = dict(_device_and_versions(python, env), tests_dir=tests_dir, workers=workers,
                 budget_s=budget, test_timeout_s=test_timeout, package_commit=_package_commit(),
+                k_expression=os.environ.get("YARDSTICK_K"),
                 files=names)
     start = time.time()
     deadline = start + budget

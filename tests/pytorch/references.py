@@ -94,7 +94,33 @@ GATED_ACTIVATIONS = {"geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu", "sregl
 """Each gated activation and the activation of its gate half."""
 
 
-def act_ref(x, activation):
+def clamped_swiglu_ref(x, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
+    """TE's clamped SwiGLU: the first half clamped above at ``limit`` and activated by
+    ``a * sigmoid(alpha * a)``, times the second half clamped to ``[-limit, limit]``
+    plus ``glu_linear_offset``."""
+    half = x.shape[-1] // 2
+    a = torch.clamp(x[..., :half], max=limit)
+    b = torch.clamp(x[..., half:], -limit, limit) + glu_linear_offset
+    return a / (1 + torch.exp(-alpha * a)) * b
+
+
+def clamped_swiglu_grad_ref(x, dy, limit=7.0, alpha=1.702, glu_linear_offset=1.0):
+    """The gradient TE's clamped SwiGLU backward computes, written out: the activated
+    half's derivative where ``a <= limit`` (else 0), the linear half's where
+    ``|b| <= limit`` (else 0)."""
+    half = x.shape[-1] // 2
+    a_in, b_in = x[..., :half], x[..., half:]
+    a = torch.clamp(a_in, max=limit)
+    b = torch.clamp(b_in, -limit, limit) + glu_linear_offset
+    s = 1 / (1 + torch.exp(-alpha * a))
+    da = torch.where(a_in <= limit, s + alpha * a * s * (1 - s), torch.zeros_like(a)) * dy * b
+    db = torch.where(b_in.abs() <= limit, a * s, torch.zeros_like(a)) * dy
+    return torch.cat([da, db], dim=-1)
+
+
+def act_ref(x, activation, params=None):
+    if activation == "clamped_swiglu":
+        return clamped_swiglu_ref(x, **(params or {}))
     if activation in GATED_ACTIVATIONS:
         half = x.shape[-1] // 2
         return _ACT_REF[GATED_ACTIVATIONS[activation]](x[..., :half]) * x[..., half:]
@@ -169,11 +195,11 @@ def mha_ref(p, x, heads, groups, d, interleaved, mask_type, mask=None, ln=("Laye
 
 # ---- MLP and transformer layer --------------------------------------------------------------
 
-def mlp_ref(p, x, normalization, activation):
-    """LayerNormMLP on float64 parameters ``p``."""
+def mlp_ref(p, x, normalization, activation, params=None):
+    """LayerNormMLP on float64 parameters ``p`` (``params``: the activation's)."""
     ln = norm_ref(x, p["layer_norm_weight"], p.get("layer_norm_bias"), normalization, 1e-5, False)
     h = ln @ p["fc1_weight"].t() + p["fc1_bias"]
-    return act_ref(h, activation) @ p["fc2_weight"].t() + p["fc2_bias"]
+    return act_ref(h, activation, params) @ p["fc2_weight"].t() + p["fc2_bias"]
 
 
 def layer_ref(m, x, post_ln_residual=False, output_layernorm=False, normalization="LayerNorm",

@@ -1,6 +1,8 @@
 """te.GroupedLinear: float64 references, bit-identity with separate te.Linear layers,
 checkpoint invariance, and the arguments it refuses."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -227,3 +229,65 @@ def test_bad_input():
         layer(torch.randn(32, 16), [16, 16])
     with pytest.raises(ValueError, match=r"num_gemms must be a positive int"):
         te.GroupedLinear(0, 32, 32, device="cpu")
+
+
+# ---- TE's single-grouped-parameter and grouped-tensor switches ---------------------------
+
+@pytest.mark.parametrize("use_grouped_tensor", [None, False, True])
+def test_grouped_switches_off_change_nothing(use_grouped_tensor, monkeypatch):
+    """``single_grouped_weight=False, single_grouped_bias=False`` (TE's defaults) and any
+    ``use_grouped_tensor`` (a kernel choice in TE) build and train the same layer: per-GEMM
+    parameters, the same FP8 step bit for bit, no warning."""
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+    runs = []
+    for kwargs in ({}, dict(single_grouped_weight=False, single_grouped_bias=False,
+                            use_grouped_tensor=use_grouped_tensor)):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            layer = te.GroupedLinear(4, 32, 48, device="cpu", **kwargs)
+        assert [n for n, _ in layer.named_parameters()][:2] == ["weight0", "bias0"]
+        assert (layer.single_grouped_weight, layer.single_grouped_bias) == (False, False)
+        assert layer.use_grouped_tensor is bool(kwargs.get("use_grouped_tensor"))
+        x = torch.randn(sum(SPLITS), 32, requires_grad=True)
+        with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+            y = layer(x, SPLITS)
+        loss = y.float().pow(2).sum()
+        loss.backward()
+        runs.append([capture(loss, [x], list(layer.parameters()), [layer])])
+    assert_runs_equal(runs[0], runs[1], "explicit defaults against none,")
+
+
+@pytest.mark.parametrize("kwargs", [dict(single_grouped_weight=True, single_grouped_bias=True),
+                                    dict(single_grouped_weight=True),
+                                    dict(single_grouped_bias=True)],
+                         ids=["both", "weight", "bias"])
+def test_single_grouped_params(kwargs, monkeypatch):
+    """As in TE: without NVTE_GROUPED_LINEAR_SINGLE_PARAM the request falls back to
+    per-GEMM parameters with a warning; with it, the single grouped parameter is refused
+    (not implemented here) rather than silently built per GEMM."""
+    monkeypatch.delenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", raising=False)
+    with pytest.warns(UserWarning, match=r"single_grouped_weight=.* but "
+                                         r"NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set"):
+        layer = te.GroupedLinear(2, 32, 32, device="cpu", **kwargs)
+    assert (layer.single_grouped_weight, layer.single_grouped_bias) == (False, False)
+    assert sorted(n for n, _ in layer.named_parameters()) == ["bias0", "bias1",
+                                                               "weight0", "weight1"]
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
+    name = "single_grouped_weight" if kwargs.get("single_grouped_weight") else \
+        "single_grouped_bias"
+    with pytest.raises(NotImplementedError,
+                       match=rf"te\.GroupedLinear: {name}=True is not implemented .*"
+                             r"unsupported-arguments\.md"):
+        te.GroupedLinear(2, 32, 32, device="cpu", **kwargs)
+
+
+def test_bad_grouped_switches(monkeypatch):
+    with pytest.raises(TypeError, match=r"use_grouped_tensor must be a bool or None, got str"):
+        te.GroupedLinear(2, 32, 32, device="cpu", use_grouped_tensor="yes")
+    with pytest.raises(TypeError, match=r"single_grouped_weight must be a bool"):
+        te.GroupedLinear(2, 32, 32, device="cpu", single_grouped_weight=1)
+    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "yes")
+    with pytest.raises(ValueError, match=r"NVTE_GROUPED_LINEAR_SINGLE_PARAM must be an int, "
+                                         r"got 'yes'"):
+        te.GroupedLinear(2, 32, 32, device="cpu", single_grouped_weight=True)

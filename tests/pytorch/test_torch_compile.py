@@ -155,6 +155,14 @@ def test_fp8_weight_cache_across_micro_batches(recipe):
     assert_compiled_equals_eager(make, RECIPES[recipe], "inside", micro_batches=2)
 
 
+def test_clamped_swiglu_compiles_whole():
+    """The clamped SwiGLU (Python-float parameters, clamps) in one fullgraph forward."""
+    make = lambda: Chain(te.LayerNormMLP(H, FFN, activation="clamped_swiglu",  # noqa: E731
+                                         activation_params={"limit": 0.5, "alpha": 1.5},
+                                         device="cpu"))
+    assert_compiled_equals_eager(make, RECIPES["delayed"], "inside")
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_fp8_primary_weights(recipe):
     """Modules built under quantized_model_init: the compiled GEMMs read the FP8

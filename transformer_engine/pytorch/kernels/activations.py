@@ -5,7 +5,9 @@ NOTE [Same arithmetic]
     The unfused path (`module/layernorm_mlp.py`'s ``activate`` and autograd) computes an
     activation with torch's CUDA kernels: in float32 (16-bit inputs widened), each
     torch op rounding its float32 result once, and nvcc contracting each ``a * b + c``
-    *inside* one op's kernel into a fused multiply-add (it builds with ``--fmad=true``).
+    *inside* one op's kernel into a fused multiply-add (it builds with ``--fmad=true``;
+    where both addends of a sum are products, the backend contracts the first addend's
+    product, as LLVM's NVPTX combine tries the first operand before the second).
     The functions below repeat those operations in the same order: one float32
     rounding where torch stores a float32 tensor between two ops, ``tl.fma`` exactly
     where nvcc contracts inside one op, ``tl.div_rn`` for an IEEE division, libdevice's
@@ -134,10 +136,12 @@ if triton is not None:
             inner = _K_BETA * tl.fma(_K_KAPPA, x_cube, x)
             t = _tanh(inner)
             left = 0.5 * x
-            left_derivative = 0.5 * (1.0 + t)
             tanh_derivative = tl.fma(-t, t, 1.0)
             inner_derivative = _K_BETA * tl.fma(_K_3KAPPA, x_sq, 1.0)
-            dx = g * tl.fma(left * tanh_derivative, inner_derivative, left_derivative)
+            right_derivative = (left * tanh_derivative) * inner_derivative
+            # left_derivative + right_derivative, left_derivative = 0.5 * (1 + t): the
+            # first addend's product is the one contracted
+            dx = g * tl.fma(0.5, 1.0 + t, right_derivative)
         elif ACT == 1:      # threshold_backward(g, relu(x), 0)
             dx = tl.where(_relu(x) <= 0.0, 0.0, g)
         elif ACT == 2:      # pow_backward: g * (2 * r); then threshold_backward at r

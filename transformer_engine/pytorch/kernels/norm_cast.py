@@ -15,6 +15,20 @@ the first computes the statistics and the output's amax (and writes the
 high-precision output if asked for), the second recomputes the output from the
 saved statistics, bit for bit the same, and casts it.
 
+NOTE [Infinite rows in RMSNorm]
+    torch's CUDA RMSNorm (``F.rms_norm``, what `layernorm.normalize` calls) takes one of
+    two kernels, and they disagree on a row holding an infinity. Its single-pass kernel
+    (row length a multiple of 4, at most 2^24, input, output and gain 16-byte aligned)
+    sums squares: the sum is inf, ``rstd = rsqrt(inf) = 0`` and the row's finite
+    elements normalize to 0 (the infinity to NaN), as here. Its two-kernel path
+    (every other row) reduces the row with Welford's update, where ``inf - inf`` makes
+    the statistics, and so ``rstd`` and the whole output row, NaN. `norm_cast` follows
+    the path torch would take for the same call (`rms_norm_infinity_is_nan`), so that
+    the fused normalization is a drop-in for the unfused one on such rows too; with
+    ``INF_NAN`` the kernel adds ``x - x`` (0 for a finite ``x``, NaN otherwise) to each
+    row's mean square. On the CPU torch sums squares (rstd 0). A NaN makes the row NaN
+    on every path, and LayerNorm's mean makes an infinite row NaN on every path.
+
 The output is not torch's bit for bit: torch's CUDA normalization reduces the row in
 another order (Welford), so ``mean`` and ``rstd`` differ in their last float32 bits,
 and an output rounded to 16 bits differs by one unit in the last place where the
@@ -40,9 +54,12 @@ if AVAILABLE:
     from .common import (TL_FP8, fold_amax, round_to, saturate, store_fp8, tile_amax_bits,
                          to_fp8)
 
-__all__ = ["norm_cast"]
+__all__ = ["norm_cast", "rms_norm_infinity_is_nan"]
 
 _BLOCK_M, _MAX_BLOCK_N, _WARPS = 16, 256, 4
+# torch's single-pass CUDA normalization kernel: rows of a multiple of this many
+# elements, at most this long, with 16-byte aligned operands
+_TORCH_VECTOR, _TORCH_MAX_VECTOR_ROW, _TORCH_ALIGN = 4, 1 << 24, 16
 
 if AVAILABLE:
     @triton.jit
@@ -69,10 +86,13 @@ if AVAILABLE:
                           WRITE_AMAX: tl.constexpr, Y_DTYPE: tl.constexpr,
                           FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
                           EPSILON: tl.constexpr, POW2: tl.constexpr, COUNT: tl.constexpr,
-                          FP32_MAX: tl.constexpr, BLOCK_P: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          FP32_MAX: tl.constexpr, INF_NAN: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
         # MODE 0: delayed (scale[index]; amax into amax[index]); 1: current, first
-        # launch (statistics, partial amax, y if asked); 2: current, the cast.
+        # launch (statistics, partial amax, y if asked); 2: current, the cast. INF_NAN
+        # (RMSNorm): a non-finite element makes the row's rstd NaN (NOTE [Infinite rows
+        # in RMSNorm]).
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -93,6 +113,7 @@ if AVAILABLE:
                 mean = tl.load(mean_ptr + r64, mask=rmask, other=0.0)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            poison = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for n0 in range(0, N, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 mask = rmask[:, None] & (cols[None, :] < N)
@@ -100,10 +121,14 @@ if AVAILABLE:
                             other=0.0).to(tl.float32)
                 if RMS:
                     acc += x * x
+                    if INF_NAN:
+                        poison += x - x
                 else:
                     acc += x
             if RMS:
                 var = tl.div_rn(tl.sum(acc, axis=1), n_f)
+                if INF_NAN:     # + 0 for a finite row: the same bits
+                    var = var + tl.sum(poison, axis=1)
             else:
                 mean = tl.div_rn(tl.sum(acc, axis=1), n_f)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -155,6 +180,25 @@ if AVAILABLE:
     _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def rms_norm_infinity_is_nan(x: torch.Tensor, weight: torch.Tensor,
+                             zero_centered_gamma: bool) -> bool:
+    """Whether torch's ``F.rms_norm`` of `layernorm.normalize`'s float32 operands for a
+    2-D ``x`` and ``weight`` takes its two-kernel CUDA path, on which a row holding an
+    infinity comes out NaN (NOTE [Infinite rows in RMSNorm]). ``normalize`` hands torch
+    ``x`` itself when it is a contiguous float32 tensor (else a fresh, aligned copy), and
+    ``weight`` itself when it is float32 and not zero-centred; the output is fresh."""
+    if not x.is_cuda:
+        return False
+
+    def aligned_for_torch(t: torch.Tensor, copied: bool) -> bool:
+        return copied or not t.is_contiguous() or t.data_ptr() % _TORCH_ALIGN == 0
+    n = x.shape[-1]
+    single_pass = (n % _TORCH_VECTOR == 0 and n <= _TORCH_MAX_VECTOR_ROW
+                   and aligned_for_torch(x, x.dtype != F32)
+                   and aligned_for_torch(weight, weight.dtype != F32 or zero_centered_gamma))
+    return not single_pass
+
+
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               normalization: str, eps: float, zero_centered_gamma: bool,
               out_dtype: torch.dtype, dtype: torch.dtype, *,
@@ -162,16 +206,21 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
               amax_history: Optional[torch.Tensor] = None, power_2_scale: bool = False,
               amax_epsilon: float = 0.0, non_finite: Optional[torch.Tensor] = None,
               write_y: bool = False, data: bool = True, transpose: bool = False,
-              separate: bool = False):
+              separate: bool = False, infinity_is_nan: Optional[bool] = None):
     """Normalize the rows of a 2-D ``x [M, N]`` (unit column stride) with ``weight [N]``
     (and ``bias [N]`` for LayerNorm), output in ``out_dtype``, cast to FP8 ``dtype`` in
     the same pass. ``normalization``: "LayerNorm" or "RMSNorm". Returns ``(y [M, N] or
     None, q [M, N] or None, q_t [N, M] or None, scale_inv [1], stats)``: ``stats`` is
     ``[2, M, 1]`` float32 (``mean``, ``rstd``) for LayerNorm, ``[1, M, 1]`` (``rstd``) for
-    RMSNorm. Scaling arguments as `act_cast.act_cast`."""
+    RMSNorm. Scaling arguments as `act_cast.act_cast`. ``infinity_is_nan`` (RMSNorm):
+    whether a row holding an infinity comes out NaN; by default as torch's ``F.rms_norm``
+    of the same operands on this device (`rms_norm_infinity_is_nan`)."""
     m, n = x.shape
     device = x.device
     rms = normalization == "RMSNorm"
+    if infinity_is_nan is None:
+        infinity_is_nan = rms and rms_norm_infinity_is_nan(x, weight, zero_centered_gamma)
+    inf_nan = bool(rms and infinity_is_nan)
     delayed = scale is not None
     programs = -(-m // _BLOCK_M)
     y = torch.empty((m, n), dtype=out_dtype, device=device) if write_y else None
@@ -197,7 +246,7 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
             zero_centered_gamma, aligned(x), aligned(weight), has_bias and aligned(bias),
             int_spec(n), int_spec(x.stride(0)), data, transpose, epsilon, power_2_scale, count,
             count and aligned(non_finite), has_amax, delayed and aligned(scale),
-            has_amax and aligned(amax_history), aligned(stats[-1]), block_n)
+            has_amax and aligned(amax_history), aligned(stats[-1]), block_n, inf_nan)
     common = (x, weight, bias if has_bias else weight, y if write_y else dummy,
               q if data else dummy, q_t if transpose else dummy,
               mean if not rms else rstd, rstd, scale if delayed else dummy,
@@ -208,7 +257,7 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     # BLOCK_P (`casts.partials_block` of the row-dependent program count) is read by the
     # cast launch only: the others get 1, the cast's key holds it
     tail = (_TL[out_dtype], FP8_MAX[dtype], TL_FP8[dtype], epsilon, power_2_scale, count,
-            FP32_MAX)
+            FP32_MAX, inf_nan)
     grid = (programs, 1, 1)
     if delayed:
         _launch(grid, _WARPS, (spec, 0, write_y), *common, 0, write_y, data, transpose,

@@ -12,6 +12,8 @@ autocast session and one recompute stash per forward (as LayerNormMLP's two GEMM
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -42,6 +44,29 @@ def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _AP
         raise ValueError(f"{api}.forward: m_splits must add up to the input's rows "
                          f"({rows}), got {splits} (sum {sum(splits)})")
     return splits
+
+
+def _single_param_flags(weight: bool, bias: bool):
+    """TE's gate on ``single_grouped_weight`` / ``single_grouped_bias``: without
+    ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` (a positive int) both fall back to False with a
+    warning; with it, True asks for the single grouped parameter, not implemented here."""
+    if not (weight or bias):
+        return False, False
+    raw = os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "0")
+    try:
+        enabled = int(raw) > 0
+    except ValueError:
+        raise ValueError(f"{_API}: the environment variable NVTE_GROUPED_LINEAR_SINGLE_PARAM "
+                         f"must be an int, got {raw!r}") from None
+    if not enabled:
+        warnings.warn(f"{_API} was built with single_grouped_weight={weight} and "
+                      f"single_grouped_bias={bias}, but NVTE_GROUPED_LINEAR_SINGLE_PARAM is not "
+                      "set: using one weight (and bias) parameter per GEMM, as TE does",
+                      UserWarning, stacklevel=3)
+        return False, False
+    reject_unsupported(_API, single_grouped_weight=(weight, False),
+                       single_grouped_bias=(bias, False))
+    return False, False
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -78,6 +103,15 @@ class GroupedLinear(TransformerEngineBaseModule):
     ub_overlap_rs, ub_overlap_ag, save_original_input
         Not implemented: anything but the default raises ``NotImplementedError``.
         ``ub_name`` is accepted (it only names a Userbuffers buffer).
+    single_grouped_weight, single_grouped_bias : bool, default False
+        TE's experimental single ``weight`` ``[num_gemms, out, in]`` (and ``bias``)
+        parameter. As in TE, True without the environment variable
+        ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` set to a positive int is turned into False
+        with a ``UserWarning`` (per-GEMM parameters); with it set, True raises
+        ``NotImplementedError`` (the single grouped parameter is not implemented).
+    use_grouped_tensor : bool or None, default None
+        Selects TE's native grouped-GEMM kernel; the same arithmetic runs here either
+        way, so it is checked (a bool or None) and kept as an attribute only.
     """
 
     FP8_SLOTS_ROLE_MAJOR = True
@@ -90,12 +124,21 @@ class GroupedLinear(TransformerEngineBaseModule):
                  params_dtype: Optional[torch.dtype] = None, parallel_mode: Optional[str] = None,
                  device=None, ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
                  ub_name: Optional[str] = None, delay_wgrad_compute: bool = False,
-                 save_original_input: bool = False, name: Optional[str] = None):
+                 save_original_input: bool = False, single_grouped_weight: bool = False,
+                 single_grouped_bias: bool = False, name: Optional[str] = None,
+                 use_grouped_tensor: Optional[bool] = None):
         num_gemms = check_positive_int(_API, "num_gemms", num_gemms)
         super().__init__(num_gemms=num_gemms, name=name)
         reject_unsupported(_API, ub_overlap_rs=(ub_overlap_rs, False),
                            ub_overlap_ag=(ub_overlap_ag, False))
         self._init_delay_wgrad(_API, delay_wgrad_compute)
+        if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+            raise TypeError(f"{_API}: use_grouped_tensor must be a bool or None, got "
+                            f"{type(use_grouped_tensor).__name__} {use_grouped_tensor!r}")
+        self.use_grouped_tensor = bool(use_grouped_tensor)
+        self.single_grouped_weight, self.single_grouped_bias = _single_param_flags(
+            check_bool(_API, "single_grouped_weight", single_grouped_weight),
+            check_bool(_API, "single_grouped_bias", single_grouped_bias))
         # an attribute, as in TE: Megatron-LM sets it after construction
         self.save_original_input = check_bool(_API, "save_original_input", save_original_input)
         self.num_gemms = num_gemms

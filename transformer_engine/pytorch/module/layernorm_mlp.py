@@ -10,16 +10,16 @@ update order] in amax_update.py).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from .. import distributed
 from ..tensor_parallel import (TensorParallelConfig, gather_from_sequence_parallel_region,
                                mark_sequence_parallel)
 from ..utils import (check_bool, check_eps, check_input, check_normalization, check_params_dtype,
                      check_optional_positive_int, check_positive_int, reject_unsupported)
+from .activations import ACTIVATIONS, activate, check_activation, fusable, is_gated
 from .base import TransformerEngineBaseModule, activation_dtype, default_device
 from .fused_producers import (GradHandoff, act_cast_input, fused_producers_on, gemm_shapes_ok,
                               norm_cast_input)
@@ -28,55 +28,7 @@ from .layernorm_linear import pack_outputs
 from .linear import check_init_args, fp8_linear
 from .params import ParamInit, normal_init, register_linear_params
 
-__all__ = ["LayerNormMLP", "ACTIVATIONS", "UNSUPPORTED_ACTIVATIONS", "activate"]
-
-
-def _gelu(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")      # TE's "gelu" is the tanh approximation
-
-
-def _qgelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)       # "quick GELU"
-
-
-def _srelu(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))            # squared ReLU
-
-
-# name -> (elementwise function, gated). A gated activation splits FC1's output into
-# halves ``[a, b]`` along the last dimension and returns ``f(a) * b`` (TE gates the
-# first half; torch's ``F.glu`` gates the second), so FC1 has ``2 * ffn_hidden_size``
-# outputs. "glu" is the sigmoid-gated linear unit.
-ACTIVATIONS: Dict[str, Tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
-    "gelu": (_gelu, False), "geglu": (_gelu, True), "glu": (torch.sigmoid, True),
-    "qgelu": (_qgelu, False), "qgeglu": (_qgelu, True),
-    "relu": (F.relu, False), "reglu": (F.relu, True),
-    "srelu": (_srelu, False), "sreglu": (_srelu, True),
-    "silu": (F.silu, False), "swiglu": (F.silu, True),
-}
-
-
-# TE activations whose definition takes ``activation_params`` (not implemented here).
-UNSUPPORTED_ACTIVATIONS = ("clamped_swiglu",)
-
-
-# Activations that are one torch op, which computes in float32 for 16-bit inputs and
-# rounds once: applied to a 16-bit input directly they give the float32 result bit for
-# bit (forward and backward), without a float32 copy of FC1's output (the widest
-# activation of the layer) and two extra passes over it.
-_ONE_OP_IN_FLOAT32 = frozenset(("gelu", "relu", "silu"))
-
-
-def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """Apply ``activation`` (a key of `ACTIVATIONS`) in float32; returns ``x.dtype``."""
-    fn, gated = ACTIVATIONS[activation]
-    if activation in _ONE_OP_IN_FLOAT32:
-        return fn(x)
-    x32 = x.to(torch.float32)
-    if gated:
-        a, b = x32.chunk(2, dim=-1)
-        return (fn(a) * b).to(x.dtype)
-    return fn(x32).to(x.dtype)
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "activate"]
 
 
 class LayerNormMLP(TransformerEngineBaseModule):
@@ -107,9 +59,13 @@ class LayerNormMLP(TransformerEngineBaseModule):
     activation : str, default "gelu"
         gelu (tanh approximation), relu, qgelu, srelu, silu, or a gated form geglu,
         glu (sigmoid), reglu, qgeglu, sreglu, swiglu (``f(first half) * second
-        half`` of FC1's output). "clamped_swiglu" is not implemented.
+        half`` of FC1's output), clamped_swiglu (GPT-OSS's: NOTE [Clamped SwiGLU] in
+        activations.py).
     activation_params : dict, optional
-        Not implemented (only "clamped_swiglu" takes it); anything but None raises.
+        For "clamped_swiglu": ``limit`` (default 7.0), ``alpha`` (1.702) and
+        ``glu_linear_offset`` (1.0). Other activations take none (None or ``{}``);
+        unknown keys or non-numbers raise ``TypeError``. Kept as the attribute
+        ``activation_params``, as in TE.
     fuse_wgrad_accumulation : bool, default False
         Both weight gradients go into ``fc1_weight.main_grad`` / ``fc2_weight.main_grad``.
     params_dtype : torch.dtype, optional
@@ -171,8 +127,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                            ub_overlap_rs_dgrad=(ub_overlap_rs_dgrad, False),
                            ub_bulk_dgrad=(ub_bulk_dgrad, False),
                            ub_bulk_wgrad=(ub_bulk_wgrad, False),
-                           symmetric_ar_type=(symmetric_ar_type, None),
-                           activation_params=(activation_params, None))
+                           symmetric_ar_type=(symmetric_ar_type, None))
         self._init_delay_wgrad(api, delay_wgrad_compute)
         self.set_parallel_mode = check_bool(api, "set_parallel_mode", set_parallel_mode)
         self.tp_fc1 = TensorParallelConfig(api, "column" if set_parallel_mode else None,
@@ -184,14 +139,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.ffn_hidden_size = check_positive_int(api, "ffn_hidden_size", ffn_hidden_size)
         self.eps = check_eps(api, eps)
         self.normalization = check_normalization(api, normalization)
-        if activation in UNSUPPORTED_ACTIVATIONS:
-            raise NotImplementedError(f"{api}: activation={activation!r} is not implemented by "
-                                      "this pure-PyTorch Transformer Engine; use one of "
-                                      f"{sorted(ACTIVATIONS)}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{api}: activation must be one of {sorted(ACTIVATIONS)}, "
-                             f"got {activation!r}")
-        self.activation = activation
+        self._act_params = check_activation(api, activation, activation_params)
+        self.activation, self.activation_params = activation, activation_params
         self.checkpoint = check_bool(api, "checkpoint", checkpoint)
         self.zero_centered_gamma = check_bool(api, "zero_centered_gamma", zero_centered_gamma)
         self.return_layernorm_output = check_bool(api, "return_layernorm_output",
@@ -213,7 +162,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         make_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, dtype,
                          device, "layer_norm_weight", "layer_norm_bias")
         local_ffn = self.tp_fc1.local_features("ffn_hidden_size", ffn_hidden_size)
-        fc1_out = local_ffn * (2 if ACTIVATIONS[activation][1] else 1)
+        fc1_out = local_ffn * (2 if is_gated(activation) else 1)
         register_linear_params(self, [("fc1_", fc1_out)], hidden_size, self.use_bias, dtype,
                                device, ParamInit(init_method or normal_init,
                                                  get_rng_state_tracker))
@@ -250,7 +199,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         api = self.named_api("te.LayerNormMLP")
         fuse = self.fuse_wgrad_accumulation
         fc1_in = self.tp_fc1.column_input(ln_out)
-        act_fused = (fused_producers_on(plan, fc1_in)
+        act_fused = (fusable(self.activation) and fused_producers_on(plan, fc1_in)
                      and gemm_shapes_ok(fc1_in.numel() // self.hidden_size, self.hidden_size,
                                         self.fc1_weight.shape[0], self.fc2_weight.shape[1]))
         handoff = GradHandoff() if act_fused else None
@@ -266,7 +215,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 handoff=handoff, fwd_index=self.FWD_TENSORS_PER_GEMM,
                 bwd_index=0)
         else:
-            act_out = activate(fc1_out, self.activation)
+            act_out = activate(fc1_out, self.activation, self._act_params)
         row = self.tp_fc2.size > 1
         fc2_bias = None if (self.return_bias or row) else self.fc2_bias
         out = self.tp_fc2.row_output(fp8_linear(
@@ -329,5 +278,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"normalization={self.normalization}, activation={self.activation!r}, "
-                f"bias={self.use_bias}, checkpoint={self.checkpoint}"
+                + (f"activation_params={self._act_params}, " if self._act_params else "")
+                + f"bias={self.use_bias}, checkpoint={self.checkpoint}"
                 + "".join(f", {d}" for d in self.tp_fc1.describe()[1:]))
