@@ -345,9 +345,11 @@ def fp8_gemm_unchecked(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
 def upcast_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
                  bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``a @ b^T`` as a float32 GEMM on the upcast FP8 operands (exact products, float32
-    accumulation), scaled, the bias added in float32, rounded once to ``out_dtype``."""
+    accumulation), scaled, the bias added in float32, rounded once to ``out_dtype``.
+    Out of place (NOTE [No in-place result in autograd.Function forwards] in
+    torch_compile.py): the modules' autograd functions return this tensor."""
     out = torch.mm(a.data.to(torch.float32), b.data.to(torch.float32).t())
-    out.mul_(a.scale_inv * b.scale_inv)
+    out = out * (a.scale_inv * b.scale_inv)
     if bias is not None:
-        out.add_(bias)
+        out = out + bias
     return out if out_dtype == torch.float32 else out.to(out_dtype)
