@@ -38,7 +38,9 @@ class Float8Data(NamedTuple):
     scale_inv: torch.Tensor
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+        # (no same-dtype .to: NOTE [Fresh function results] in quantize.py)
+        out = self.data.to(torch.float32) * self.scale_inv
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def t_contiguous(self) -> "Float8Data":
         """The transposed copy, row-major, with the same scale."""
