@@ -172,7 +172,7 @@ def test_fp8_primary_weights(recipe):
 def reused_results(gm: torch.fx.GraphModule) -> list:
     """The tensors an ``autograd.Function`` forward in dynamo's graph ``gm`` returns that
     another op of that forward also produced (an in-place op, or one that returned its
-    input unchanged): NOTE [Fresh function results] in quantize.py. Read from the
+    input unchanged): NOTE [Fresh function results] in function_results.py. Read from the
     example values dynamo records for each node of the forward's subgraph."""
     import operator
     found = []
@@ -193,12 +193,15 @@ def reused_results(gm: torch.fx.GraphModule) -> list:
     return found
 
 
+@pytest.mark.parametrize("gemm", ["upcast", "scaled_mm"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_autograd_functions_return_fresh_tensors(recipe):
+def test_autograd_functions_return_fresh_tensors(recipe, gemm):
     """No TE autograd function (every module, rotary attention) returns a tensor that
     another op of its traced forward also produced: under torch 2.11 that silently
     zeroes the gradient. Checked on the graph dynamo traces, so it holds on every torch
-    (the bit-for-bit tests above catch the zero gradients only on an affected torch)."""
+    (the bit-for-bit tests above catch the zero gradients only on an affected torch).
+    ``gemm="scaled_mm"``: the CUDA GEMM path (padding, ``torch._scaled_mm``)."""
+    from transformer_engine.pytorch.kernel_config import kernel_config
     model = AllModules(layer=True)
     problems, functions = [], [0]
 
@@ -211,7 +214,9 @@ def test_autograd_functions_return_fresh_tensors(recipe):
         with te.autocast(recipe=RECIPES[recipe]):
             return model(x)
 
-    torch.compile(fn, fullgraph=True, backend=backend)(torch.randn(TOKENS, H, requires_grad=True))
+    with kernel_config(cpu_gemm=gemm):
+        torch.compile(fn, fullgraph=True, backend=backend)(
+            torch.randn(TOKENS, H, requires_grad=True))
     assert functions[0] > 0, "no autograd function was traced: nothing was checked"
     assert not problems, "returned tensors made twice:\n" + "\n".join(problems)
 

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..module.params import materialize_device
-from ..quantize import add_into, cast_to
+from ..function_results import add_into, cast_to
 from ..utils import check_choice, check_positive_int
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb",
@@ -184,7 +184,8 @@ def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
     d2 = cos.shape[-1]
     x = t[..., :d2].to(torch.float32)
     out = x * cos
-    # the rotation's autograd function returns this: NOTE [Fresh function results]
+    # the rotation's autograd function returns this: NOTE [Fresh function results] in
+    # function_results.py
     if transpose:
         out = add_into(out, _turned(x * sin, interleaved, transpose=True))
     else:
