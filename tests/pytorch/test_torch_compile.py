@@ -193,16 +193,22 @@ def reused_results(gm: torch.fx.GraphModule) -> list:
     return found
 
 
-@pytest.mark.parametrize("gemm", ["upcast", "scaled_mm"])
+ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA_FP8, reason="the CUDA paths need a GPU with FP8 (compute capability 8.9+)"))
+
+
+@pytest.mark.parametrize("path", ["upcast", "scaled_mm", ON_CUDA])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_autograd_functions_return_fresh_tensors(recipe, gemm):
+def test_autograd_functions_return_fresh_tensors(recipe, path):
     """No TE autograd function (every module, rotary attention) returns a tensor that
     another op of its traced forward also produced: under torch 2.11 that silently
     zeroes the gradient. Checked on the graph dynamo traces, so it holds on every torch
     (the bit-for-bit tests above catch the zero gradients only on an affected torch).
-    ``gemm="scaled_mm"``: the CUDA GEMM path (padding, ``torch._scaled_mm``)."""
+    ``path="scaled_mm"``: the CUDA GEMM path (padding, ``torch._scaled_mm``) on the
+    CPU; ``"cuda"``: everything on the GPU."""
     from transformer_engine.pytorch.kernel_config import kernel_config
-    model = AllModules(layer=True)
+    device = "cuda" if path == "cuda" else "cpu"
+    model = AllModules(layer=True, device=device)
     problems, functions = [], [0]
 
     def backend(gm, example_inputs):
@@ -214,9 +220,9 @@ def test_autograd_functions_return_fresh_tensors(recipe, gemm):
         with te.autocast(recipe=RECIPES[recipe]):
             return model(x)
 
-    with kernel_config(cpu_gemm=gemm):
+    with kernel_config(cpu_gemm="scaled_mm" if path == "scaled_mm" else "upcast"):
         torch.compile(fn, fullgraph=True, backend=backend)(
-            torch.randn(TOKENS, H, requires_grad=True))
+            torch.randn(TOKENS, H, device=device, requires_grad=True))
     assert functions[0] > 0, "no autograd function was traced: nothing was checked"
     assert not problems, "returned tensors made twice:\n" + "\n".join(problems)
 
@@ -361,6 +367,12 @@ def test_what_cannot_compile_raises_a_clear_error():
     mlp = te.LayerNormMLP(H, FFN, checkpoint=True, device="cpu")
     with pytest.raises(Exception, match="te.checkpoint inside a function compiled"):
         torch.compile(mlp, fullgraph=True, backend="aot_eager")(x)
+    freqs = RotaryPositionEmbedding(H // HEADS)(2 * SEQ)
+    t = torch.randn(SEQ, BATCH, HEADS, H // HEADS)
+    rotate = torch.compile(lambda t, starts: te.apply_rotary_pos_emb(
+        t, freqs, start_positions=starts), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="apply_rotary_pos_emb with start_positions cannot"):
+        rotate(t, torch.tensor([1, 3]))
 
 
 # ---- FP8 semantics: non-finite amaxes, calibration ------------------------------------------

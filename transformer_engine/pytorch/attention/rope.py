@@ -256,6 +256,12 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     check_positive_int(api, "cp_size", cp_size)
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"{api}: cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+    if torch.compiler.is_compiling() and (tensor_format == "thd" or start_positions is not None):
+        raise NotImplementedError(
+            f"torch.compile: {api} with "
+            f"{'tensor_format=thd' if tensor_format == 'thd' else 'start_positions'} cannot "
+            "be compiled (the positions it rotates by are read from the device); call it "
+            "outside the compiled function")
     angles_all = freqs.to(torch.float32)
     if tensor_format == "thd":
         return _apply_thd(api, t, angles_all, start_positions, interleaved, cu_seqlens,
