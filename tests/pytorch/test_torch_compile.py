@@ -206,6 +206,8 @@ def test_autograd_functions_return_fresh_tensors(recipe, path):
     (the bit-for-bit tests above catch the zero gradients only on an affected torch).
     ``path="scaled_mm"``: the CUDA GEMM path (padding, ``torch._scaled_mm``) on the
     CPU; ``"cuda"``: everything on the GPU."""
+    if recipe == "block" and path == "scaled_mm":
+        pytest.skip("block scaling on the CPU emulates its GEMM whatever cpu_gemm says")
     from transformer_engine.pytorch.kernel_config import kernel_config
     device = "cuda" if path == "cuda" else "cpu"
     model = AllModules(layer=True, device=device)
