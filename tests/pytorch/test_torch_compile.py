@@ -20,6 +20,7 @@ from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling
                                               Float8CurrentScaling)
 from transformer_engine.pytorch import FP8GlobalStateManager
 from transformer_engine.pytorch import custom_ops  # noqa: F401  (the ops opcheck checks)
+from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding
 from helpers import HAS_CUDA_FP8, assert_runs_equal, capture, te_modules
 
 H, FFN, HEADS, SEQ, BATCH = 32, 64, 2, 8, 2
@@ -58,6 +59,7 @@ class AllModules(torch.nn.Module):
         self.layer = (te.TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0,
                                           attention_dropout=0.0, self_attn_mask_type="causal",
                                           device=device) if layer else None)
+        self.rotary = RotaryPositionEmbedding(H // HEADS)(SEQ).to(device) if layer else None
 
     def forward(self, x, is_first_microbatch=None):
         h = self.rms(self.norm(x))
@@ -68,7 +70,7 @@ class AllModules(torch.nn.Module):
         h = h + self.experts(h, [TOKENS // 2, TOKENS // 2])
         h = h + self.mha(h.view(SEQ, BATCH, H)).view(TOKENS, H)
         if self.layer is not None:
-            h = self.layer(h.view(SEQ, BATCH, H)).view(TOKENS, H)
+            h = self.layer(h.view(SEQ, BATCH, H), rotary_pos_emb=self.rotary).view(TOKENS, H)
         return h
 
 
@@ -171,6 +173,68 @@ def test_fp8_primary_weights(recipe):
         with te.quantized_model_init(recipe=RECIPES[recipe]):
             return Chain(te.LayerNormMLP(H, FFN, device="cpu"), te.Linear(H, H, device="cpu"))
     assert_compiled_equals_eager(make, RECIPES[recipe], "inside")
+
+
+# ---- what each traced autograd function returns ------------------------------------------
+
+def reused_results(gm: torch.fx.GraphModule) -> list:
+    """The tensors an ``autograd.Function`` forward in dynamo's graph ``gm`` returns that
+    another op of that forward also produced (an in-place op, or one that returned its
+    input unchanged): NOTE [Fresh function results] in function_results.py. Read from the
+    example values dynamo records for each node of the forward's subgraph."""
+    import operator
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "autograd_function_apply" not in str(node.target):
+            continue
+        forward = getattr(gm, node.args[0].target)
+        outputs = next(n for n in forward.graph.nodes if n.op == "output").args[0][0]
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        for index in {user.args[1] for user in node.users if user.target is operator.getitem}:
+            returned = outputs[index]
+            value = returned.meta.get("example_value")
+            for other in forward.graph.nodes:
+                if other is not returned and value is not None \
+                        and other.meta.get("example_value") is value:
+                    where = other.meta.get("stack_trace", "").strip().splitlines()[-2:]
+                    found.append(f"{returned.name} is also {other.name}: {' / '.join(where)}")
+    return found
+
+
+ON_CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not HAS_CUDA_FP8, reason="the CUDA paths need a GPU with FP8 (compute capability 8.9+)"))
+
+
+@pytest.mark.parametrize("path", ["upcast", "scaled_mm", ON_CUDA])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_autograd_functions_return_fresh_tensors(recipe, path):
+    """No TE autograd function (every module, rotary attention) returns a tensor that
+    another op of its traced forward also produced: under torch 2.11 that silently
+    zeroes the gradient. Checked on the graph dynamo traces, so it holds on every torch
+    (the bit-for-bit tests above catch the zero gradients only on an affected torch).
+    ``path="scaled_mm"``: the CUDA GEMM path (padding, ``torch._scaled_mm``) on the
+    CPU; ``"cuda"``: everything on the GPU."""
+    if recipe == "block" and path == "scaled_mm":
+        pytest.skip("block scaling on the CPU emulates its GEMM whatever cpu_gemm says")
+    from transformer_engine.pytorch.kernel_config import kernel_config
+    device = "cuda" if path == "cuda" else "cpu"
+    model = AllModules(layer=True, device=device)
+    problems, functions = [], [0]
+
+    def backend(gm, example_inputs):
+        functions[0] += sum("autograd_function_apply" in str(n.target) for n in gm.graph.nodes)
+        problems.extend(reused_results(gm))
+        return gm.forward
+
+    def fn(x):
+        with te.autocast(recipe=RECIPES[recipe]):
+            return model(x)
+
+    with kernel_config(cpu_gemm="scaled_mm" if path == "scaled_mm" else "upcast"):
+        torch.compile(fn, fullgraph=True, backend=backend)(
+            torch.randn(TOKENS, H, device=device, requires_grad=True))
+    assert functions[0] > 0, "no autograd function was traced: nothing was checked"
+    assert not problems, "returned tensors made twice:\n" + "\n".join(problems)
 
 
 # ---- guards: what recompiles and what does not -------------------------------------------
@@ -313,6 +377,12 @@ def test_what_cannot_compile_raises_a_clear_error():
     mlp = te.LayerNormMLP(H, FFN, checkpoint=True, device="cpu")
     with pytest.raises(Exception, match="te.checkpoint inside a function compiled"):
         torch.compile(mlp, fullgraph=True, backend="aot_eager")(x)
+    freqs = RotaryPositionEmbedding(H // HEADS)(2 * SEQ)
+    t = torch.randn(SEQ, BATCH, HEADS, H // HEADS)
+    rotate = torch.compile(lambda t, starts: te.apply_rotary_pos_emb(
+        t, freqs, start_positions=starts), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="apply_rotary_pos_emb with start_positions cannot"):
+        rotate(t, torch.tensor([1, 3]))
 
 
 # ---- FP8 semantics: non-finite amaxes, calibration ------------------------------------------

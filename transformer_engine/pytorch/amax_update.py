@@ -205,7 +205,7 @@ def update_states(metas: List[dict], recipe: DelayedScaling, group, forward: boo
         lives = [s.amax_history[0] for s in states]
         live = torch.cat(lives)
         torch.distributed.all_reduce(live, op=torch.distributed.ReduceOp.MAX, group=group)
-        torch._foreach_copy_(lives, list(live.split([t.numel() for t in lives])))
+        delayed_scaling.copy_all(lives, live.split([t.numel() for t in lives]))
     spec = recipe.fp8_format.value
     max_value = spec.max_fwd if forward else spec.max_bwd
     device = states[0].scale.device
@@ -235,7 +235,7 @@ def _custom_update(histories, scales, scale_invs, max_value: float, recipe: Dela
         amax_value, scale, torch.full_like(scale, max_value), recipe)
     checked = delayed_scaling.check_computed_scale(new_scale, scale, amax_value)
     new_scale = torch.where(finite, checked, scale)
-    torch._foreach_copy_(
+    delayed_scaling.copy_all(
         [t for group in (scales, scale_invs, histories) for t in group],
         list(new_scale.split(sizes)) + list(torch.reciprocal(new_scale).split(sizes))
         + list(delayed_scaling.roll_amax_history(history).split(sizes, dim=1)))

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from . import quantize
 from .amax_update import non_finite_counter
+from .function_results import add_into, cast_to
 from .kernel_config import get_kernel_config
 
 __all__ = ["BLOCK", "BlockScaledData", "quantize_blocks", "cast_blocks", "cast_for_role",
@@ -83,7 +84,7 @@ class BlockScaledData(NamedTuple):
             self.scale_inv[:, None, :, None]).view(rb * self.block_rows, cb * BLOCK)
         if values.shape != (rows, cols):
             values = values[:rows, :cols]
-        return values.to(dtype)
+        return cast_to(values, dtype)      # NOTE [Fresh function results]
 
     def t_contiguous(self) -> "BlockScaledData":
         """The columnwise copy of a 2D-scaled tensor: data and scales transposed. A
@@ -206,8 +207,8 @@ def emulated_block_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch
     float32 GEMM, the bias added in float32, rounded once to ``out_dtype``."""
     out = torch.mm(a.dequantize(), b.dequantize().t())
     if bias is not None:
-        out.add_(bias)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+        out = add_into(out, bias)      # NOTE [Fresh function results]
+    return cast_to(out, out_dtype)
 
 
 # NOTE [Block-scaled GEMM routing]
@@ -325,5 +326,5 @@ def _hardware_gemm(a: BlockScaledData, b: BlockScaledData, out_dtype: torch.dtyp
                            out_dtype=out_dtype if direct else torch.float32)
     if direct:
         return out
-    out.add_(bias)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    out = add_into(out, bias)          # NOTE [Fresh function results]
+    return cast_to(out, out_dtype)

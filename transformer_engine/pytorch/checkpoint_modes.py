@@ -22,6 +22,7 @@ NOTE [Reentrant phase 1]
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -176,6 +177,8 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
                 "te.checkpoint(..., use_reentrant=False).")
         call: _CheckpointCall = ctx.call
         tensors = list(ctx.saved_tensors)
+        # (read now: the inner backward below runs a graph task of its own)
+        keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
         if ctx.distributed_shape is not None:
             tensors[0] = gather_split_1d_tensor(tensors[0], ctx.distribute).view(
                 ctx.distributed_shape)
@@ -199,7 +202,20 @@ class _ReentrantCheckpointFunction(torch.autograd.Function):
         grads_out = [None] * len(flat)
         for pos, g in zip(ctx.tensor_positions, input_grads):
             grads_out[pos] = g
+        if not keep_graph:
+            # No second backward can come: let go of the checkpoint frame at the end of
+            # this pass (after the backward updates, whose sessions it keeps alive), not
+            # when this node dies. Something may keep the node alive: torch 2.11's
+            # AOTAutograd traces a graph compiled during the recompute in anomaly mode,
+            # whose nodes name this one as their parent and stay alive in a reference
+            # cycle the garbage collector cannot see.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_drop_frame, call))
         return (None, None, None, None, None, *grads_out)
+
+
+def _drop_frame(call: _CheckpointCall) -> None:
+    call.frame = None
 
 
 def reentrant_checkpoint(function, tracker, context_fn, distribute, args, kwargs):

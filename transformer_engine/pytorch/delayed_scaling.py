@@ -14,7 +14,7 @@ from .quantize import fused_kernels
 
 __all__ = ["amax_from_history", "scale_from_amax", "roll_amax_history", "resize_amax_history",
            "sanitize_live_amax", "check_computed_scale", "delayed_scaling_update",
-           "delayed_scaling_update_"]
+           "delayed_scaling_update_", "copy_all"]
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _FP32_TINY = torch.finfo(torch.float32).tiny     # smallest normal float32
@@ -160,7 +160,21 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
         non_finite.add_((~finite).sum())
     new_scale, new_scale_inv, new_history = _update_from_clean(
         history, finite, torch.cat(list(scales)), max_value, margin, algo)
-    torch._foreach_copy_(
-        list(scales) + list(scale_invs) + list(histories),
-        list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes))
-        + list(new_history.split(sizes, dim=1)))
+    copy_all(list(scales) + list(scale_invs) + list(histories),
+             list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes))
+             + list(new_history.split(sizes, dim=1)))
+
+
+def copy_all(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``target.copy_(source)`` for each pair: one ``torch._foreach_copy_`` in eager mode
+    (one launch), one copy each while dynamo traces. torch 2.11's Inductor lowers a
+    foreach op to a foreach kernel node, and its loop reordering after fusion then
+    asserts that every node it reorders is a plain one (``reorder_loops_by_dep_pair``:
+    ``assert isinstance(snode, SchedulerNode)``) when the foreach copies of these
+    differently shaped states meet the amax reductions; Inductor fuses plain copies
+    into their producers anyway."""
+    if torch.compiler.is_compiling():
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+    else:
+        torch._foreach_copy_(list(targets), list(sources))

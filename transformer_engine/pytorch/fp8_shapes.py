@@ -22,6 +22,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from .function_results import add_into
+
 __all__ = ["Float8Data", "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "check_fp8_matrix",
            "check_gemm_shape", "scaled_mm_padded"]
 
@@ -38,7 +40,9 @@ class Float8Data(NamedTuple):
     scale_inv: torch.Tensor
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
+        # (no same-dtype .to: NOTE [Fresh function results] in function_results.py)
+        out = self.data.to(torch.float32) * self.scale_inv
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def t_contiguous(self) -> "Float8Data":
         """The transposed copy, row-major, with the same scale."""
@@ -104,12 +108,19 @@ def scaled_mm_padded(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
     if bias is not None and out_dtype != torch.float32:
         fused_bias = _zero_padded(bias if bias.dtype == out_dtype else bias.to(out_dtype),
                                   (np_,))
-    out = torch._scaled_mm(ad, bd.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
+    scale_a, scale_b = a.scale_inv, b.scale_inv
+    if torch.compiler.is_compiling():
+        # Inductor's Triton templates for _scaled_mm (max-autotune) take a per-tensor
+        # scale as a 0-d tensor (or 2-D): they load a 1-D one with a 2-D index and fail
+        scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+    out = torch._scaled_mm(ad, bd.t(), scale_a=scale_a, scale_b=scale_b,
                            bias=fused_bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if np_ != n:
         out = out[:m, :n].contiguous()
     elif mp != m:
         out = out[:m]
     if bias is not None and fused_bias is None:
-        out += bias.to(out_dtype)
+        # the modules' autograd functions return this (NOTE [Fresh function results] in
+        # function_results.py)
+        out = add_into(out, bias.to(out_dtype))
     return out

@@ -53,6 +53,7 @@ import torch
 
 from .fp8_shapes import (FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data,
                          check_fp8_matrix, check_gemm_shape, scaled_mm_padded)
+from .function_results import add_into, cast_to, mul_into
 from .kernel_config import get_kernel_config
 
 __all__ = [
@@ -347,7 +348,8 @@ def upcast_gemm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
     """``a @ b^T`` as a float32 GEMM on the upcast FP8 operands (exact products, float32
     accumulation), scaled, the bias added in float32, rounded once to ``out_dtype``."""
     out = torch.mm(a.data.to(torch.float32), b.data.to(torch.float32).t())
-    out.mul_(a.scale_inv * b.scale_inv)
+    out = mul_into(out, a.scale_inv * b.scale_inv)
     if bias is not None:
-        out.add_(bias)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+        out = add_into(out, bias)
+    return cast_to(out, out_dtype)
+

@@ -76,6 +76,11 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
 # ---- the collectives (out of place; work on gloo and NCCL) -------------------------
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # a new tensor, not one reduced in place: an autograd function returns it (NOTE
+        # [Fresh function results] in function_results.py)
+        from torch.distributed import _functional_collectives as collectives
+        return collectives.all_reduce(x.contiguous(), "sum", group)
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..module.params import materialize_device
+from ..function_results import add_into, cast_to
 from ..utils import check_choice, check_positive_int
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "apply_fused_qkv_rotary_pos_emb",
@@ -149,7 +150,16 @@ def _rotate(t: torch.Tensor, angles: torch.Tensor, interleaved: bool) -> torch.T
 def _turned(v: torch.Tensor, interleaved: bool, transpose: bool) -> torch.Tensor:
     """``turn(v)``: each pair ``(a, b)`` becomes ``(-b, a)`` (pairs ``(2i, 2i+1)``
     interleaved, ``(i, i + d2/2)`` otherwise); with ``transpose``, ``turn``'s
-    transpose ``(b, -a)``. One new tensor."""
+    transpose ``(b, -a)``. One new tensor (two while dynamo traces: it cannot trace the
+    strided ``out=`` writes; Inductor fuses the two)."""
+    if torch.compiler.is_compiling():
+        if interleaved:
+            lo, hi = v[..., 0::2], v[..., 1::2]
+        else:
+            lo, hi = v.chunk(2, dim=-1)
+        pair = (hi, -lo) if transpose else (-hi, lo)
+        return (torch.stack(pair, dim=-1).flatten(-2) if interleaved
+                else torch.cat(pair, dim=-1))
     out = torch.empty_like(v)
     if interleaved:
         lo, hi, o_lo, o_hi = v[..., 0::2], v[..., 1::2], out[..., 0::2], out[..., 1::2]
@@ -174,13 +184,15 @@ def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
     d2 = cos.shape[-1]
     x = t[..., :d2].to(torch.float32)
     out = x * cos
+    # the rotation's autograd function returns this: NOTE [Fresh function results] in
+    # function_results.py
     if transpose:
-        out.add_(_turned(x * sin, interleaved, transpose=True))
+        out = add_into(out, _turned(x * sin, interleaved, transpose=True))
     else:
-        out.add_(_turned(x, interleaved, transpose=False).mul_(sin))
-    rotated = out.to(t.dtype)
+        out = add_into(out, _turned(x, interleaved, transpose=False).mul_(sin))
+    rotated = cast_to(out, t.dtype)
     if d2 == t.shape[-1]:
-        return rotated.contiguous()
+        return rotated if rotated.is_contiguous() else rotated.contiguous()
     return torch.cat((rotated, t[..., d2:]), dim=-1)
 
 
@@ -244,6 +256,12 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     check_positive_int(api, "cp_size", cp_size)
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"{api}: cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+    if torch.compiler.is_compiling() and (tensor_format == "thd" or start_positions is not None):
+        raise NotImplementedError(
+            f"torch.compile: {api} with "
+            f"{'tensor_format=thd' if tensor_format == 'thd' else 'start_positions'} cannot "
+            "be compiled (the positions it rotates by are read from the device); call it "
+            "outside the compiled function")
     angles_all = freqs.to(torch.float32)
     if tensor_format == "thd":
         return _apply_thd(api, t, angles_all, start_positions, interleaved, cu_seqlens,
@@ -257,9 +275,13 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     if start_positions is not None:
         starts = _check_int_vector(api, "start_positions", start_positions, t.shape[1 - s_dim])
         pos = starts.to(t.device).reshape(-1, 1) + pos.reshape(1, -1)   # [b, s]
-    if int(pos.max()) >= angles_all.shape[0]:
+    # the last position: known without reading the device where there are no start
+    # positions (and so traceable by torch.compile)
+    last = (int(pos.max()) if start_positions is not None
+            else seqlen - 1 if cp_size == 1 else seqlen * cp_size - cp_rank * (seqlen // 2) - 1)
+    if last >= angles_all.shape[0]:
         raise ValueError(f"{api}: freqs covers {angles_all.shape[0]} positions, but position "
-                         f"{int(pos.max())} is needed")
+                         f"{last} is needed")
     angles = angles_all[:, 0, 0, :].index_select(0, pos.reshape(-1).to(angles_all.device))
     if start_positions is None:                                          # [s, 1, d2]
         angles = angles.reshape(seqlen, 1, -1)

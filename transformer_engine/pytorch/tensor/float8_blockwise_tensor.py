@@ -158,8 +158,7 @@ class Float8BlockwiseQTensor(QuantizedTensor):
 
     def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         with torch.no_grad():
-            return self.block_operands(False)[0].dequantize(torch.float32).to(
-                dtype or self.dtype)
+            return self.block_operands(False)[0].dequantize(dtype or self.dtype)
 
     # ---- the storage (NOTE [Quantized tensor semantics]) ---------------------------
     def _default_quantizer(self) -> Quantizer:
