@@ -93,8 +93,8 @@ MUTANTS = [
            "every recompute call of a module takes its first stash",
            CORE),
     Mutant("M05", PT + "recompute.py",
-           "    def start_recompute(self) -> None:\n        self.cursor = {}\n",
-           "    def start_recompute(self) -> None:\n        pass\n",
+           "            self._fold_compiled()\n        self.cursor = {}\n",
+           "            self._fold_compiled()\n",
            "a second recompute of the same call (retain_graph) starts where the first ended",
            (REPLAY, HOOKS, INV)),
     Mutant("M06", PT + "recompute.py",
@@ -286,8 +286,8 @@ MUTANTS = [
 
     # ---- amax_update.py, scaling.py: the update and the snapshots ----------------------------
     Mutant("M37", PT + "amax_update.py",
-           "    copy_before_write(states)       # recompute stashes keep the values they saw\n",
-           "",
+           "        copy_before_write(states)\n    if recipe.reduce_amax",
+           "        pass\n    if recipe.reduce_amax",
            "the update writes into states that recompute snapshots still read",
            CORE),
     Mutant("M38", PT + "amax_update.py",
@@ -309,9 +309,9 @@ MUTANTS = [
            equivalent="the session is already in the pass's pending set, so setdefault changes "
                       "nothing and no second callback is queued (only host time differs)"),
     Mutant("M41", PT + "amax_update.py",
-           "            _update_states(list(g.metas.values()), g.recipe, g.group, forward)\n"
+           "            update_states(list(g.metas.values()), g.recipe, g.group, forward)\n"
            "        _NON_FINITE.warn_once_if_seen()\n        return\n",
-           "            _update_states(list(g.metas.values()), g.recipe, g.group, forward)\n"
+           "            update_states(list(g.metas.values()), g.recipe, g.group, forward)\n"
            "        return\n",
            "an update no longer warns about non-finite amaxes",
            (INV, NONFIN)),
