@@ -310,7 +310,7 @@ MUTANTS = [
                       "nothing and no second callback is queued (only host time differs)"),
     Mutant("M41", PT + "amax_update.py",
            "            update_states(list(g.metas.values()), g.recipe, g.group, forward)\n"
-           "        _NON_FINITE.warn_once_if_seen()\n        return\n",
+           "        NON_FINITE.warn_once_if_seen()\n        return\n",
            "            update_states(list(g.metas.values()), g.recipe, g.group, forward)\n"
            "        return\n",
            "an update no longer warns about non-finite amaxes",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import delayed_scaling
-from transformer_engine.pytorch.amax_update import CUDA_CHECK_EVERY
+from transformer_engine.pytorch.non_finite import CUDA_CHECK_EVERY
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 from helpers import cuda_fp8
 

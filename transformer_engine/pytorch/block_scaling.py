@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quantize
-from .amax_update import non_finite_counter
+from .non_finite import non_finite_counter
 from .function_results import add_into, cast_to
 from .kernel_config import get_kernel_config
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ..common.recipe import DelayedScaling, Recipe, validated_copy
-from . import amax_update, quantize, recompute, torch_compile
+from . import amax_update, non_finite, quantize, recompute, torch_compile
 from .amax_update import AutocastSession
 # quantized_model_init / fp8_model_init: TE's fp8 module has them too
 from .model_init import _MODEL_INIT, _ModelInitState, fp8_model_init, quantized_model_init
@@ -160,11 +160,11 @@ class FP8GlobalStateManager:
     @classmethod
     def get_non_finite_amax_count(cls) -> int:
         """NaN or infinite amaxes seen so far (NOTE [Non-finite amaxes])."""
-        return amax_update.non_finite_amax_count()
+        return non_finite.non_finite_amax_count()
 
     @classmethod
     def reset_non_finite_amax_count(cls) -> None:
-        amax_update.reset_non_finite_amax_count()
+        non_finite.reset_non_finite_amax_count()
 
     # ---- FP8 weight updates under CUDA graphs (NOTE [Skip-update flag]) ----------
     @classmethod

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ...common.recipe import DelayedScaling, Recipe
-from .. import amax_update, delayed_scaling, distributed, recompute, torch_compile
+from .. import delayed_scaling, distributed, non_finite, recompute, torch_compile
 from ..fp8 import RECOMPUTE_STASH_KEY, FP8GlobalStateManager
 from ..kernel_config import get_kernel_config
 from ..model_init import model_init_state
@@ -154,7 +154,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                          "num_gemms": num_gemms, "fp8_checkpoint": False}
         # what a compiled forward reads and cannot make (NOTE [torch.compile])
         get_kernel_config()
-        amax_update.make_compiled_counter("cpu")
+        non_finite.make_compiled_counter("cpu")
         torch_compile.PENDING.add(self)
         torch_compile.MODULES.add(self)
         # NOTE [Delayed wgrad] in delayed_wgrad.py: a module that delays its wgrad has a
@@ -230,7 +230,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
     def _make_compiled_counter(self) -> None:
         device = self._meta_device()
         if device.type != "meta":
-            amax_update.make_compiled_counter(device)
+            non_finite.make_compiled_counter(device)
 
     def _after_reset_parameters(self, fp8_weights) -> None:
         self._make_compiled_counter()
@@ -454,7 +454,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         """`prepare_forward` while dynamo traces (NOTE [torch.compile] in
         torch_compile.py): the same plan; the session bookkeeping, the recompute
         stash and the backward update become graph ops or trace-time decisions."""
-        amax_update.note_compiled_use()
+        non_finite.note_compiled_use()
         if is_first_microbatch is not None:     # before this trace reads fp8_meta
             torch_compile.prepare_weight_caches()
         fp8, calibrating, recipe = self._take_autocast_state()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from .. import block_scaling, quantize
-from ..amax_update import non_finite_counter
+from ..non_finite import non_finite_counter
 from ..tensor import QuantizedTensor
 from .base import ForwardPlan
 from .fp8_params import weight_operands

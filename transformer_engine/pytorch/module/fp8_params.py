@@ -49,7 +49,7 @@ import torch
 
 from ...common.recipe import DelayedScaling
 from .. import quantize
-from ..amax_update import non_finite_counter
+from ..non_finite import non_finite_counter
 from ..fp8_shapes import Float8Data
 from ..tensor import Float8BlockQuantizer, Float8BlockwiseQTensor, QuantizedTensor
 from ..tensor.float8_tensor import CurrentScalingQuantizer, Float8Quantizing, as_matrix

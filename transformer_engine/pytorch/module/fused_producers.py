@@ -44,7 +44,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..amax_update import non_finite_counter
+from ..non_finite import non_finite_counter
 from ..fp8_shapes import FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data
 from ..kernel_config import get_kernel_config
 from .backward_override import backward_override
