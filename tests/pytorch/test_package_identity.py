@@ -86,8 +86,8 @@ import transformer_engine
 print(transformer_engine.pytorch.Linear.__module__)
 print(transformer_engine.pytorch.fp8.FP8GlobalStateManager.__name__)
 print(transformer_engine.common.recipe.Float8CurrentScaling.__name__)
-from transformer_engine.pytorch import fp8
-print(fp8._CPU_FP8_PROBE is None, fp8.FP8GlobalStateManager.is_fp8_enabled())
+from transformer_engine.pytorch import fp8, fp8_support
+print(fp8_support._CPU_FP8_PROBE is None, fp8.FP8GlobalStateManager.is_fp8_enabled())
 print(("triton" in sys.modules) == triton_before)
 """
 
