@@ -37,7 +37,8 @@ from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScalin
 from transformer_engine.pytorch import quantize
 from transformer_engine.pytorch.kernel_config import kernel_config
 from transformer_engine.pytorch.module import fused_producers, layernorm_linear, layernorm_mlp
-from transformer_engine.pytorch.module.base import ForwardPlan, activation_dtype
+from transformer_engine.pytorch.module.devices import activation_dtype
+from transformer_engine.pytorch.module.forward_plan import ForwardPlan
 from transformer_engine.pytorch.module.layernorm import normalize
 from transformer_engine.pytorch.module.layernorm_mlp import ACTIVATIONS, activate
 from helpers import HAS_CUDA_FP8, assert_runs_equal, capture, params, te_modules

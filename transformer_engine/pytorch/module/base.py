@@ -3,11 +3,9 @@ that ties a module to the FP8 autocast and to activation recompute."""
 
 from __future__ import annotations
 
-import contextlib
 import types
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -21,10 +19,11 @@ from ..tensor import Float8Tensor, QuantizedTensor
 from ..utils import check_bool
 from . import extra_state, fp8_params
 from .delayed_wgrad import WeightGradStore
+from .devices import default_device
+from .forward_plan import ForwardPlan, ForwardScope
 from .params import ParameterInitMixin
 
-__all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "activation_dtype",
-           "no_autocast"]
+__all__ = ["TransformerEngineBaseModule"]
 
 
 # NOTE [Contiguous module inputs]
@@ -34,86 +33,6 @@ __all__ = ["TransformerEngineBaseModule", "ForwardPlan", "default_device", "acti
 #     operand, a reduction in another order) and give other bits, in high precision
 #     and in FP8 alike; so a module's outputs and gradients never depend on its
 #     input's strides.
-
-
-def default_device(device) -> torch.device:
-    """``device`` or, when None, CUDA if available else CPU (TE's modules default to CUDA)."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def activation_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a GEMM should produce: the torch.autocast dtype if autocast is on."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
-def no_autocast(device_type: str):
-    """A context with ``torch.autocast`` off for ``device_type`` (a no-op context when
-    it is off already: entering ``torch.autocast`` costs host time on every GEMM)."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-@dataclass
-class ForwardPlan:
-    """What one forward call does with FP8, decided in `prepare_forward`.
-
-    ``fp8``: GEMMs in FP8. ``recipe``: the recipe in force (FP8 or calibration).
-    ``record_amax``: write amaxes into the live history row (training forward, not a
-    recompute). ``session``: the autocast session whose backward update this call's
-    backward asks for (a delayed-scaling FP8 training forward, or its recompute), else
-    None (NOTE [Delayed-scaling update order] in amax_update.py).
-    ``is_first_microbatch``: the value the caller passed to the module's forward
-    (None, True or False; NOTE [FP8 weight cache] in fp8_operands.py). ``stash``: the
-    recompute stash of this call (phase 1 fills its FP8 weights, the recompute reads
-    them), else None. ``recomputing``: this call is a recompute. ``delayed``: the
-    recipe keeps delayed-scaling state (read on every cast, so decided once here).
-    ``skip_weight_update``: the device flag that picks the cached or a fresh FP8
-    weight (NOTE [Skip-update flag] in fp8_operands.py), else None. ``fwd_state``: the
-    forward scaling state the casts use (the live one, or a recompute's stash), for a
-    delayed-scaling recipe. ``traced``: made while dynamo traces (NOTE [torch.compile]
-    in torch_compile.py); the backward of GEMM ``bwd_update_gemm`` (-1: none) then
-    updates the module's backward state, with the autocast's ``group``.
-    """
-
-    fp8: bool
-    recipe: Optional[Recipe]
-    record_amax: bool
-    session: Any = None
-    is_first_microbatch: Optional[bool] = None
-    stash: Any = None
-    recomputing: bool = False
-    delayed: bool = field(init=False)
-    skip_weight_update: Optional[torch.Tensor] = None
-    fwd_state: Optional[ScalingState] = None
-    traced: bool = False
-    bwd_update_gemm: int = -1
-    group: Any = None
-
-    def __post_init__(self):
-        self.delayed = self.recipe is not None and self.recipe.delayed()
-
-
-class _ForwardScope:
-    """What `prepare_forward` returns: yields the plan; on exit puts the live forward
-    state back when the forward ran on a recompute stash (a class, not a generator:
-    its enter and exit run on every module call)."""
-
-    __slots__ = ("plan", "swapped_meta")
-
-    def __init__(self, plan: ForwardPlan, swapped_meta: Optional[dict]):
-        self.plan, self.swapped_meta = plan, swapped_meta
-
-    def __enter__(self) -> ForwardPlan:
-        return self.plan
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self.swapped_meta is not None:
-            FP8GlobalStateManager.restore_fp8_meta_tensors(self.swapped_meta)
 
 
 def _no_stash_swapped_in(module) -> recompute.RecomputeStateError:
@@ -402,7 +321,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         self._take_autocast_state()
 
     def prepare_forward(self, inp: Optional[torch.Tensor] = None,
-                        is_first_microbatch: Optional[bool] = None) -> "_ForwardScope":
+                        is_first_microbatch: Optional[bool] = None) -> ForwardScope:
         """Decide how this call uses FP8 and do its recompute bookkeeping; a context
         manager that yields a `ForwardPlan`.
 
@@ -448,9 +367,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                 plan.stash = self.fp8_meta.pop(RECOMPUTE_STASH_KEY, None)
         if plan.delayed:
             plan.fwd_state = self.fp8_meta["scaling_fwd"]
-        return _ForwardScope(plan, self.fp8_meta if swapped else None)
+        return ForwardScope(plan, self.fp8_meta if swapped else None)
 
-    def _prepare_traced_forward(self, is_first_microbatch: Optional[bool]) -> _ForwardScope:
+    def _prepare_traced_forward(self, is_first_microbatch: Optional[bool]) -> ForwardScope:
         """`prepare_forward` while dynamo traces (NOTE [torch.compile] in
         torch_compile.py): the same plan; the session bookkeeping, the recompute
         stash and the backward update become graph ops or trace-time decisions."""
@@ -462,7 +381,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
                            is_first_microbatch=is_first_microbatch, traced=True)
         if not plan.delayed:
             plan.recomputing = distributed.in_fp8_activation_recompute_phase()
-            return _ForwardScope(plan, None)
+            return ForwardScope(plan, None)
         autocast = FP8GlobalStateManager.get_fp8_autocast_state()
         session, plan.group = autocast.session, autocast.group
         live = self.fp8_meta["scaling_fwd"]
@@ -490,7 +409,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             torch_compile.register_in_session(session, self.fp8_meta, recipe, plan.group)
         if fp8 and first:
             plan.bwd_update_gemm = self._first_fp8_gemm()
-        return _ForwardScope(plan, None)
+        return ForwardScope(plan, None)
 
     def _first_fp8_gemm(self) -> int:
         """The GEMM whose backward runs last in a call of this module (its first)."""

@@ -44,7 +44,7 @@ import torch
 from .. import block_scaling, quantize
 from ..non_finite import non_finite_counter
 from ..tensor import QuantizedTensor
-from .base import ForwardPlan
+from .forward_plan import ForwardPlan
 from .fp8_params import weight_operands
 
 __all__ = ["cast_operand", "fp8_weight", "forward_operands"]

@@ -48,7 +48,7 @@ from ..non_finite import non_finite_counter
 from ..fp8_shapes import FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data
 from ..kernel_config import get_kernel_config
 from .backward_override import backward_override
-from .base import ForwardPlan
+from .forward_plan import ForwardPlan
 
 __all__ = ["fused_producers_on", "NormCast", "ActCast", "GradHandoff", "unwritten",
            "norm_cast_input", "act_cast_input"]

@@ -20,7 +20,8 @@ import torch
 
 from ..tensor_parallel import TensorParallelConfig
 from ..utils import check_bool, check_params_dtype, check_positive_int, reject_unsupported
-from .base import TransformerEngineBaseModule, default_device
+from .base import TransformerEngineBaseModule
+from .devices import default_device
 from .linear import check_init_args, fp8_linear
 from .params import ParamInit, constant_init, normal_init
 

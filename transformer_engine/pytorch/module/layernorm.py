@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import (check_eps, check_params_dtype, check_positive_int, reject_unsupported)
-from .base import activation_dtype, default_device, no_autocast
+from .devices import activation_dtype, default_device, no_autocast
 from .params import ParamInit, ParameterInitMixin, constant_init
 
 __all__ = ["LayerNorm", "RMSNorm", "normalize", "make_norm_params"]

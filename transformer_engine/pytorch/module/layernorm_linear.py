@@ -12,7 +12,8 @@ import torch
 from ..tensor_parallel import TensorParallelConfig, mark_sequence_parallel
 from ..utils import (check_bool, check_eps, check_input, check_normalization, check_params_dtype,
                      check_positive_int, reject_unsupported)
-from .base import TransformerEngineBaseModule, activation_dtype, default_device
+from .base import TransformerEngineBaseModule
+from .devices import activation_dtype, default_device
 from .fused_producers import fused_producers_on, gemm_shapes_ok, norm_cast_input
 from .layernorm import make_norm_params, normalize
 from .linear import check_init_args, fp8_linear, local_parts

@@ -20,7 +20,8 @@ from ..tensor_parallel import (TensorParallelConfig, gather_from_sequence_parall
 from ..utils import (check_bool, check_eps, check_input, check_normalization, check_params_dtype,
                      check_optional_positive_int, check_positive_int, reject_unsupported)
 from .activations import ACTIVATIONS, activate, check_activation, fusable, is_gated
-from .base import TransformerEngineBaseModule, activation_dtype, default_device
+from .base import TransformerEngineBaseModule
+from .devices import activation_dtype, default_device
 from .fused_producers import (GradHandoff, act_cast_input, fused_producers_on, gemm_shapes_ok,
                               norm_cast_input)
 from .layernorm import make_norm_params, normalize

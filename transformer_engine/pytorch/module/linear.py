@@ -30,9 +30,10 @@ from ..tensor_parallel import TensorParallelConfig
 from ..utils import (check_bool, check_input_dtype, check_params_dtype, check_positive_int,
                      reject_unsupported)
 from .backward_override import backward_override, operands_to_save, override_grads
-from .base import (ForwardPlan, TransformerEngineBaseModule, activation_dtype, default_device,
-                   no_autocast)
+from .base import TransformerEngineBaseModule
+from .devices import activation_dtype, default_device, no_autocast
 from .fp8_operands import cast_operand, fp8_weight, forward_operands
+from .forward_plan import ForwardPlan
 from .delayed_wgrad import accumulate_grad, deferred_linear
 from .main_grad import (accumulate_into_main_grad, check_main_grad, linear_into_main_grad,
                         main_grad_placeholder)

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .base import activation_dtype, no_autocast
+from .devices import activation_dtype, no_autocast
 
 __all__ = ["check_main_grad", "accumulate_into_main_grad", "linear_into_main_grad",
            "main_grad_placeholder"]
