@@ -198,7 +198,7 @@ def forward_parts(args, device, dtype) -> dict:
     scaling, in an open autocast, input requiring grad) next to the whole forward and
     torch.nn.Linear's: where a forward's host time goes."""
     from transformer_engine.pytorch import quantize
-    from transformer_engine.pytorch.module import linear as te_linear
+    from transformer_engine.pytorch.module import fp8_linear as te_linear
     torch.manual_seed(0)
     n, tokens = args.features, args.tokens
     layer = te.Linear(n, n, params_dtype=dtype, device=device)

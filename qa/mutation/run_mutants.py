@@ -244,7 +244,7 @@ MUTANTS = [
            "plan.stash = self.fp8_meta.get(RECOMPUTE_STASH_KEY)",
            "phase 1 leaves its stash in fp8_meta",
            CORE),
-    Mutant("M31", PT + "module/base.py",
+    Mutant("M31", PT + "module/forward_plan.py",
            "            FP8GlobalStateManager.restore_fp8_meta_tensors(self.swapped_meta)",
            "            pass",
            "the recompute's forward does not put the live state back",
@@ -255,7 +255,7 @@ MUTANTS = [
            "the recompute region counts as FP8 recompute without an enabled autocast",
            CORE + (EDGES,)),
 
-    Mutant("M44", PT + "module/linear.py",
+    Mutant("M44", PT + "module/fp8_linear.py",
            "        if plan.session is not None:\n            request_backward_update(plan.session)",
            "        if plan.session is not None and need_wgrad:\n"
            "            request_backward_update(plan.session)",

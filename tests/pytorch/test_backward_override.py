@@ -156,7 +156,7 @@ def test_backward_casts_nothing(mode, recipe_cls, monkeypatch):
         return original(*args, **kw)
 
     monkeypatch.setattr(fp8_operands, "cast_operand", counting)
-    monkeypatch.setattr(te.module.linear, "cast_operand", counting)
+    monkeypatch.setattr(te.module.fp8_linear, "cast_operand", counting)
     recipe = recipe_cls(backward_override=mode)
     for name, (make, kwargs) in _modules().items():
         module = make()

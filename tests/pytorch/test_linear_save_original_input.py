@@ -1,5 +1,5 @@
 """te.Linear(save_original_input=True) (NOTE [Saving the original input] in
-module/linear.py): the high-precision input saved for backward and cast again there
+module/fp8_linear.py): the high-precision input saved for backward and cast again there
 for the wgrad; outputs and gradients equal the default path's bit for bit."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
                                               Float8CurrentScaling)
-from transformer_engine.pytorch.module import linear as linear_module
+from transformer_engine.pytorch.module import fp8_linear as linear_module
 from helpers import DEVICES
 
 RECIPES = [pytest.param(None, id="no-fp8"), pytest.param(Float8CurrentScaling(), id="current"),

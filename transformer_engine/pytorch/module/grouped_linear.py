@@ -22,7 +22,8 @@ from ..tensor_parallel import TensorParallelConfig
 from ..utils import check_bool, check_params_dtype, check_positive_int, reject_unsupported
 from .base import TransformerEngineBaseModule
 from .devices import default_device
-from .linear import check_init_args, fp8_linear
+from .fp8_linear import fp8_linear
+from .linear import check_init_args
 from .params import ParamInit, constant_init, normal_init
 
 __all__ = ["GroupedLinear", "check_m_splits"]

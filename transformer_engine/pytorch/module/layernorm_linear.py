@@ -16,7 +16,8 @@ from .base import TransformerEngineBaseModule
 from .devices import activation_dtype, default_device
 from .fused_producers import fused_producers_on, gemm_shapes_ok, norm_cast_input
 from .layernorm import make_norm_params, normalize
-from .linear import check_init_args, fp8_linear, local_parts
+from .fp8_linear import fp8_linear
+from .linear import check_init_args, local_parts
 from .params import (ParamInit, joined_parameter, normal_init, register_linear_params,
                      split_parameters)
 

@@ -26,7 +26,8 @@ from .fused_producers import (GradHandoff, act_cast_input, fused_producers_on, g
                               norm_cast_input)
 from .layernorm import make_norm_params, normalize
 from .layernorm_linear import pack_outputs
-from .linear import check_init_args, fp8_linear
+from .fp8_linear import fp8_linear
+from .linear import check_init_args
 from .params import ParamInit, normal_init, register_linear_params
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "activate"]
