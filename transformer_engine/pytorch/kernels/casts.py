@@ -1,10 +1,9 @@
 """Triton kernels for FP8 casts on CUDA: the cast (one pass over a tensor that records
 its amax, casts it to FP8 with a given scale and writes the row-major and/or the
 transposed FP8 copy), the current-scaling cast (amax, scale and cast in two launches,
-no host synchronisation), the amax, the in-place delayed-scaling update of many
-modules' states in one launch, and the block-scaled cast of Float8BlockScaling (one
-pass: block amaxes, scales as `quantize.current_scale`, FP8 values; NOTE [Block
-scaling layout] in block_scaling.py).
+no host synchronisation), the amax and the FP8 transpose. The module `quantize.py`
+hands out: it also carries the delayed-scaling update of many states in one launch
+(scale_update.py) and the block-scaled cast of Float8BlockScaling (block_cast.py).
 
 Imported lazily by `quantize.py`, only for CUDA tensors and only when Triton
 imports; the CPU path never loads this package. The kernels compute exactly what the
@@ -17,21 +16,24 @@ Launches go through `launch.py` (NOTE [Launch overhead]).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .common import (AVAILABLE, F32 as _F32, FP32_MAX as _FP32_MAX, FP8_MAX as _FP8_MAX,
-                     cast_outputs)
+# the block-scaled cast and the delayed-scaling update: reached through this module,
+# the one `quantize.fused_kernels` hands out
+from .block_cast import block_cast  # noqa: F401
+from .common import AVAILABLE, FP32_MAX as _FP32_MAX, FP8_MAX as _FP8_MAX, cast_outputs
 from .launch import (DIRECT_LAUNCH_TRITON_VERSIONS, Launcher, aligned,
                      direct_launch_supported, int_spec)
+from .scale_update import delayed_update_  # noqa: F401
 
 if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .common import (TL_FP8 as _TL_FP8, abs_bits, current_scale, fold_amax, max_nan,
-                         saturate, tile_amax_bits, to_fp8)
+    from .common import (TL_FP8 as _TL_FP8, abs_bits, current_scale, fold_amax, saturate,
+                         tile_amax_bits, to_fp8)
 
 __all__ = ["AVAILABLE", "cast_transpose", "cast_pair", "current_cast", "amax", "delayed_update_",
            "block_cast", "transpose", "direct_launch_supported", "DIRECT_LAUNCH_TRITON_VERSIONS"]
@@ -39,7 +41,6 @@ __all__ = ["AVAILABLE", "cast_transpose", "cast_pair", "current_cast", "amax", "
 # One tile per program. Picked by timing on an H200 (benchmarks/bench_linear.py --tune).
 _TILE_M, _TILE_N, _WARPS = 64, 64, 4
 _AMAX_BLOCK, _AMAX_WARPS = 4096, 8
-_UPDATE_BLOCK_L, _UPDATE_BLOCK_N = 256, 16
 # Current scaling: at most this many programs per launch, each looping over tiles, so
 # that every program of the cast can reduce all partial amaxes cheaply.
 _CURRENT_PROGRAMS = 1024
@@ -116,54 +117,6 @@ if AVAILABLE:
                        FP8_MAX, OUT_DTYPE, True, WRITE_QTB, WRITE_AMAX, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _delayed_update_kernel(table_ptr, count_ptr, max_value, margin_factor,
-                               L: tl.constexpr, ALGO_MAX: tl.constexpr, COUNT: tl.constexpr,
-                               BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-                               FP32_MAX: tl.constexpr):
-        # Program (i, j): columns [j * BLOCK_N, (j + 1) * BLOCK_N) of state i. Table row
-        # i: addresses of its history [L, n], scale [n], scale_inv [n] (contiguous
-        # float32), and n.
-        row = table_ptr + tl.program_id(0) * 4
-        hist_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-        scale_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        scale_inv_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        n = tl.load(row + 3).to(tl.int32)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < n
-        raw = tl.load(hist_ptr + cols, mask=cmask, other=0.0)       # row 0
-        # A non-finite live amax keeps its scale and enters the history as 0.
-        finite = tl.abs(raw) <= FP32_MAX                      # NaN fails, inf fails
-        live = tl.where(finite, raw, 0.0)
-        if COUNT:
-            tl.atomic_add(count_ptr, tl.sum((~finite).to(tl.int32), axis=0))
-        amax = live
-        # Roll in place, rows ascending: new row r - 1 = old row r for r >= 1. Each
-        # block is loaded completely (barrier) before any of it is overwritten; the
-        # rows a block writes were read by this or the previous block.
-        for r0 in range(1, L, BLOCK_L):
-            rows = r0 + tl.arange(0, BLOCK_L)
-            m = (rows[:, None] < L) & cmask[None, :]
-            offs = rows[:, None] * n + cols[None, :]
-            h = tl.load(hist_ptr + offs, mask=m, other=0.0)
-            if ALGO_MAX:
-                amax = max_nan(amax, tl.reduce(h, 0, max_nan))
-            tl.debug_barrier()
-            tl.store(hist_ptr + offs - n, h, mask=m)
-        tl.debug_barrier()
-        # old row 0 goes to the end, then the new live row 0 is zeroed
-        if L > 1:
-            tl.store(hist_ptr + (L - 1) * n + cols, live, mask=cmask)
-            tl.debug_barrier()
-        tl.store(hist_ptr + cols, tl.zeros_like(live), mask=cmask)
-        old = tl.load(scale_ptr + cols, mask=cmask, other=1.0)
-        # as the torch formula computes it: reciprocal(amax) * max, then / 2**margin
-        new = tl.div_rn(1.0, amax) * max_value * margin_factor
-        ok = finite & (amax > 0) & (amax <= FP32_MAX)   # positive and finite
-        new = tl.minimum(tl.where(ok, new, old), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(scale_ptr + cols, new, mask=cmask)
-        tl.store(scale_inv_ptr + cols, tl.div_rn(1.0, new), mask=cmask)
-
-    @triton.jit
     def _amax_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
@@ -173,7 +126,6 @@ if AVAILABLE:
 if AVAILABLE:
     _launch_cast = Launcher(_cast_transpose_kernel)
     _launch_cast_pair = Launcher(_cast_pair_kernel)
-    _launch_update = Launcher(_delayed_update_kernel)
     _launch_amax = Launcher(_amax_kernel)
 
 
@@ -376,128 +328,6 @@ def current_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: bool, amax_
                          tiles_n, tiles, _FP8_MAX[dtype], _TL_FP8[dtype], data, transpose,
                          epsilon, power_2_scale, count, _FP32_MAX, block_p, _TILE_M, _TILE_N)
     return q, q_t, scale_inv
-
-
-# Device tables of state addresses, keyed by those addresses (the table is a function
-# of its key, so a hit is right even if the memory now belongs to other tensors).
-_UPDATE_TABLES: Dict[tuple, torch.Tensor] = {}
-_UPDATE_TABLES_MAX = 256
-
-
-def delayed_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                    scale_invs: Sequence[torch.Tensor], max_value: float, margin: int,
-                    algo: str, non_finite: Optional[torch.Tensor] = None) -> bool:
-    """One launch of the delayed-scaling update of many states, in place: for each
-    ``i``, from ``histories[i] [L, n_i]`` and ``scales[i] [n_i]`` write the new scale,
-    ``1 / scale`` and the rolled history, the values of
-    `delayed_scaling.delayed_scaling_update`, and add the number of non-finite live amaxes to
-    ``non_finite`` (an int32 scalar tensor) if given. Returns False, having done
-    nothing, unless every tensor is a contiguous float32 tensor on the first history's
-    CUDA device, the histories share ``L`` and the shapes agree."""
-    first = histories[0]
-    length, device = first.shape[0], first.get_device()
-    key, widest = [], 0
-    for h, s, si in zip(histories, scales, scale_invs):
-        n = s.numel()
-        if not (h.dtype is _F32 and s.dtype is _F32 and si.dtype is _F32 and h.dim() == 2
-                and h.shape[0] == length and h.shape[1] == n == si.numel()
-                and h.is_contiguous() and s.is_contiguous() and si.is_contiguous()
-                and h.get_device() == device == s.get_device() == si.get_device()):
-            return False
-        key.append((h.data_ptr(), s.data_ptr(), si.data_ptr(), n))
-        widest = max(widest, n)
-    key = tuple(key)
-    table = _UPDATE_TABLES.get(key)
-    if table is None:
-        if len(_UPDATE_TABLES) >= _UPDATE_TABLES_MAX:
-            _UPDATE_TABLES.clear()
-        table = torch.tensor(key, dtype=torch.int64, device=first.device)
-        _UPDATE_TABLES[key] = table
-    count = non_finite is not None
-    if count and not (non_finite.dtype is torch.int32 and non_finite.numel() == 1
-                      and non_finite.get_device() == device):
-        return False
-    algo_max = algo == "max"
-    spec = (length, algo_max, count, count and aligned(non_finite))
-    _launch_update((len(key), -(-widest // _UPDATE_BLOCK_N), 1), 4, spec,
-                   table, non_finite if count else table, float(max_value), 2.0 ** -margin,
-                   length, algo_max, count, _UPDATE_BLOCK_L, _UPDATE_BLOCK_N, _FP32_MAX)
-    return True
-
-
-if AVAILABLE:
-    @triton.jit
-    def _block_cast_kernel(x_ptr, q_ptr, scale_inv_ptr, amax_ptr, R, C, stride_r, stride_c,
-                           col_blocks, amax_epsilon,
-                           FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, POW2: tl.constexpr,
-                           EPSILON: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr,
-                           BLOCK: tl.constexpr, FP32_MAX: tl.constexpr):
-        # Program (i, j): rows [i * ROWS, (i + 1) * ROWS), columns of block j. One scale
-        # per row of the block (1x128), or with TILE one for the ROWS x BLOCK tile.
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        rows = pid_r * ROWS + tl.arange(0, ROWS)
-        cols = pid_c * BLOCK + tl.arange(0, BLOCK)
-        r64 = rows.to(tl.int64)
-        c64 = cols.to(tl.int64)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        x = tl.load(x_ptr + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask,
-                    other=0.0).to(tl.float32)
-        block_amax = tl.reduce(tl.abs(x), 1, max_nan)                 # [ROWS]
-        if TILE:
-            block_amax = tl.reduce(block_amax, 0, max_nan)            # one for the tile
-        # quantize.current_scale, value for value
-        finite = block_amax <= FP32_MAX                                # NaN and inf fail
-        a = block_amax
-        if EPSILON:
-            a = tl.maximum(a, amax_epsilon, propagate_nan=tl.PropagateNan.ALL)
-        scale = tl.where((a > 0) & finite, tl.div_rn(FP8_MAX, a), 1.0)
-        scale = tl.minimum(scale, FP32_MAX)
-        if POW2:
-            scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        if TILE:
-            y = x * scale
-        else:
-            y = x * scale[:, None]
-        y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + r64[:, None] * C + c64[None, :], to_fp8(y, OUT_DTYPE), mask=mask)
-        if TILE:
-            tl.store(scale_inv_ptr + pid_r * col_blocks + pid_c, tl.div_rn(1.0, scale))
-            tl.store(amax_ptr + pid_r * col_blocks + pid_c, block_amax)
-        else:
-            rmask = rows < R
-            tl.store(scale_inv_ptr + r64 * col_blocks + pid_c, tl.div_rn(1.0, scale), mask=rmask)
-            tl.store(amax_ptr + r64 * col_blocks + pid_c, block_amax, mask=rmask)
-
-    _launch_block_cast = Launcher(_block_cast_kernel)
-
-_BLOCK = 128
-_BLOCK_CAST_ROWS, _BLOCK_CAST_WARPS = 32, 4      # 1x128 blocks: rows per program
-_TILE_CAST_WARPS = 8                            # 128x128 blocks: one tile per program
-
-
-def block_cast(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scale: bool,
-               amax_epsilon: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block-scaled cast of a 2-D CUDA tensor ``x [R, C]`` (any strides) in one pass:
-    ``(q [R, C], scale_inv, block_amax)``, both [ceil(R / block_rows), ceil(C / 128)]
-    float32, as `block_scaling`'s torch path computes them (NOTE [Block scaling
-    layout]); ``block_rows`` is 1 or 128. The caller checks ``x`` is non-empty."""
-    r, c = x.shape
-    rb, cb = -(-r // block_rows), -(-c // _BLOCK)
-    q = torch.empty((r, c), dtype=dtype, device=x.device)
-    scale_inv = torch.empty((rb, cb), dtype=_F32, device=x.device)
-    block_amax = torch.empty((rb, cb), dtype=_F32, device=x.device)
-    tile = block_rows == _BLOCK
-    rows = _BLOCK if tile else _BLOCK_CAST_ROWS
-    epsilon = amax_epsilon > 0
-    sr, sc = x.stride()
-    key = (x.dtype, dtype, power_2_scale, epsilon, tile, aligned(x), int_spec(r),
-           int_spec(c), int_spec(sr), int_spec(sc), int_spec(cb))
-    _launch_block_cast((-(-r // rows), cb, 1), _TILE_CAST_WARPS if tile else _BLOCK_CAST_WARPS,
-                       key, x, q, scale_inv, block_amax, r, c, sr, sc, cb, float(amax_epsilon),
-                       _FP8_MAX[dtype], _TL_FP8[dtype], power_2_scale, epsilon, tile,
-                       rows, _BLOCK, _FP32_MAX)
-    return q, scale_inv, block_amax
 
 
 if AVAILABLE:
