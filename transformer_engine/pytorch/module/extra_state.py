@@ -66,7 +66,7 @@ import torch
 from ...common.recipe import MAX_AMAX_HISTORY_LEN, DelayedScaling, Recipe
 from ..scaling import ScalingState
 from .payload_globals import read_archive, read_pickle
-from .payload_pickle import InvalidPayload, describe
+from .payload_values import InvalidPayload, describe
 from .payload_recipe import check_recipe, recipe_from_record, recipe_to_dict
 
 __all__ = ["Layout", "LoadedFP8State", "ExtraStateTensor", "save_fp8_state", "load_fp8_state",

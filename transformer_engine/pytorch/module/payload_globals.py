@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 
 from ...common.recipe import Format
-from .payload_pickle import Budget, GlobalRef, InvalidPayload, Reader, Record, describe
+from .payload_pickle import Reader
+from .payload_values import Budget, GlobalRef, InvalidPayload, Record, describe
 from .payload_recipe import RECORD_SPECS
 
 __all__ = ["read_pickle", "read_archive", "MAX_TENSOR_DIMS"]

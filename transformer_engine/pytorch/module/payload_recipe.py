@@ -12,7 +12,7 @@ from typing import Optional
 from ...common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                                MMParams, QParams, Recipe)
 from ...common.recipe import GEMM_FIELDS, QUANT_FIELDS
-from .payload_pickle import InvalidPayload, Record, RecordSpec, describe
+from .payload_values import InvalidPayload, Record, RecordSpec, describe
 
 __all__ = ["InvalidPayload", "RECIPE_CLASSES", "RECORD_SPECS", "recipe_to_dict",
            "recipe_from_record", "check_recipe", "describe"]
