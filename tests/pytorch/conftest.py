@@ -47,3 +47,25 @@ def kernels_compile_clean():
     if found:
         pytest.fail(f"Triton compiled kernels whose PTX reads registers it never writes: "
                     f"{found}")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/K",
+                     help="run only the collected tests i, i + K, i + 2K, ... (0 <= I < K): "
+                          "one of K processes sharing a file (qa/L1_pytorch_gpu/run_job.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    try:
+        index, count = (int(part) for part in shard.split("/"))
+        if not 0 <= index < count:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"--shard must be I/K with 0 <= I < K, got {shard!r}") from None
+    keep = items[index::count]
+    kept = {id(item) for item in keep}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = keep

@@ -744,6 +744,42 @@ def test_layernorm_mlp_fused_equals_unfused(activation, recipe, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_refused_producer_kernels_take_the_unfused_path(recipe, monkeypatch):
+    """A producer kernel whose specialization is refused (NOTE [Suspect compiles] in
+    kernels/launch.py) is never launched: the normalization runs unfused, and the
+    activation's forward and backward take the unfused path's ops and casts inside the
+    fused Function. The run equals the unfused one bit for bit, FP8 state included."""
+    from transformer_engine.pytorch.kernel_config import SuspectCompile
+    from transformer_engine.pytorch.kernels import launch
+    refused = {"_norm_cast_kernel", "_act_cast_kernel", "_dact_cast_kernel"}
+    real_call = launch.Launcher.__call__
+    attempts = []
+
+    def refusing(self, grid, num_warps, key, *args):
+        if self.kernel.__name__ in refused:
+            attempts.append(self.kernel.__name__)
+            raise SuspectCompile(self.kernel.__name__)
+        return real_call(self, grid, num_warps, key, *args)
+
+    activation = "gelu" if DEVICE == "cuda" else "relu"
+    make = lambda: te.LayerNormMLP(64, 96, activation=activation,  # noqa: E731
+                                   params_dtype=torch.bfloat16, device=DEVICE)
+    torch.manual_seed(3)
+    model, ref_model = make(), make()
+    ref_model.load_state_dict(model.state_dict())
+    monkeypatch.setattr(launch.Launcher, "__call__", refusing)
+    outputs, run = _train(model, _recipe(recipe), 2, (32, 64), torch.bfloat16, True)
+    assert sorted(set(attempts)) == sorted(refused), "the fused path was not attempted"
+    monkeypatch.setattr(launch.Launcher, "__call__", real_call)
+    ref_outputs, ref_run = _train(ref_model, _recipe(recipe), 2, (32, 64), torch.bfloat16,
+                                  False)
+    for a, b in zip(outputs, ref_outputs):
+        assert torch.equal(_bits(a), _bits(b)), "outputs differ"
+    assert_runs_equal(ref_run, run, "refused producers against unfused,")
+
+
+@needs_kernels
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_clamped_swiglu_activation_runs_unfused(recipe, monkeypatch):
     """The kernels implement the activations without parameters: with "clamped_swiglu"
     the normalization is fused and the activation and its gradient run unfused (torch's

@@ -109,9 +109,10 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype, block_rows: int, power_2_scal
     """The cast of `quantize_blocks`, and the blocks' amaxes: one Triton pass on CUDA
     (the fused kernels, NOTE [Kernel selection]), else torch ops; the same bits."""
     kernels = quantize.fused_kernels(x)
-    if kernels is not None:
-        data, scale_inv, block_amax = kernels.block_cast(x.detach(), dtype, block_rows,
-                                                         power_2_scale, amax_epsilon)
+    out = None if kernels is None else quantize.fused_or_none(
+        kernels.block_cast, x.detach(), dtype, block_rows, power_2_scale, amax_epsilon)
+    if out is not None:
+        data, scale_inv, block_amax = out
         return BlockScaledData(data, scale_inv, block_rows), block_amax
     rows, cols = x.shape
     rb, cb = -(-rows // block_rows), -(-cols // BLOCK)

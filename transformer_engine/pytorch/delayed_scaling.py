@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .quantize import fused_kernels
+from .quantize import fused_kernels, fused_or_none
 
 __all__ = ["amax_from_history", "scale_from_amax", "roll_amax_history", "resize_amax_history",
            "sanitize_live_amax", "check_computed_scale", "delayed_scaling_update",
@@ -151,8 +151,8 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
     """
     kernels = fused_kernels(histories[0])
     if (kernels is not None and algo in ("max", "most_recent")
-            and kernels.delayed_update_(histories, scales, scale_invs, max_value, margin, algo,
-                                        non_finite)):
+            and fused_or_none(kernels.delayed_update_, histories, scales, scale_invs,
+                              max_value, margin, algo, non_finite)):
         return
     sizes = [s.numel() for s in scales]
     history, finite = sanitize_live_amax(torch.cat(list(histories), dim=1))

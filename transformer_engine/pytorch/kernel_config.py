@@ -35,9 +35,17 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-__all__ = ["KernelConfig", "get_kernel_config", "kernel_config", "CPU_GEMMS", "BLOCK_GEMMS"]
+__all__ = ["KernelConfig", "get_kernel_config", "kernel_config", "CPU_GEMMS", "BLOCK_GEMMS",
+           "SuspectCompile"]
 
 CPU_GEMMS = ("upcast", "scaled_mm")
+
+
+class SuspectCompile(RuntimeError):
+    """A Triton kernel's specialization was refused before its launch: its compiled
+    code is of the kind ptxas miscompiles (NOTE [Suspect compiles] in kernels/launch.py).
+    Raised before anything is written, so the caller takes the torch path instead."""
+
 BLOCK_GEMMS = ("hardware", "emulation")
 _SWITCHES = {"1": True, "0": False}
 

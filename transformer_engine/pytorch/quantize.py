@@ -54,14 +54,14 @@ import torch
 from .fp8_shapes import (FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data,
                          check_fp8_matrix, check_gemm_shape, scaled_mm_padded)
 from .function_results import add_into, cast_to, mul_into
-from .kernel_config import get_kernel_config
+from .kernel_config import SuspectCompile, get_kernel_config
 
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
     "cast_transpose_unchecked", "current_scale", "current_scaling_cast", "fp8_gemm",
     "fp8_gemm_unchecked", "upcast_gemm", "scaled_mm_padded", "check_fp8_matrix", "check_gemm_shape",
     "FP8_HEIGHT_MULTIPLE", "FP8_WIDTH_MULTIPLE", "fused_kernels", "transpose_fp8",
-    "cast_pair_unchecked",
+    "cast_pair_unchecked", "fused_or_none",
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -94,12 +94,24 @@ def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES)
     return _kernels_module or None
 
 
+def fused_or_none(call, *args, **kwargs):
+    """``call(*args, **kwargs)`` (a fused kernel's wrapper), or None where its
+    kernel's specialization was refused before it wrote anything (NOTE [Suspect
+    compiles] in kernels/launch.py): the caller then takes the torch path."""
+    try:
+        return call(*args, **kwargs)
+    except SuspectCompile:
+        return None
+
+
 def transpose_fp8(q: Float8Data) -> Float8Data:
     """``q.t_contiguous()`` of 2-D FP8 data, bit for bit (the dgrad and wgrad operands,
     NOTE [GEMM vocabulary]), in one Triton pass on CUDA."""
     kernels = fused_kernels(q.data, FP8_DTYPES)
     if kernels is not None and q.data.dim() == 2 and q.data.is_contiguous():
-        return Float8Data(kernels.transpose(q.data), q.scale_inv)
+        data_t = fused_or_none(kernels.transpose, q.data)
+        if data_t is not None:
+            return Float8Data(data_t, q.scale_inv)
     return q.t_contiguous()
 
 
@@ -137,7 +149,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     kernels = fused_kernels(x)
     if kernels is not None and x.is_contiguous():
-        return kernels.amax(x)          # reads the data only: no autograd
+        found = fused_or_none(kernels.amax, x)      # reads the data only: no autograd
+        if found is not None:
+            return found
     return _no_grad(x).abs().amax().to(torch.float32)
 
 
@@ -153,8 +167,9 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Flo
     kernels = fused_kernels(x)
     if kernels is not None and x.dim() >= 1 and _fused_scale_ok(scale, x):
         x2d = x.detach().reshape(-1, x.shape[-1])
-        q, _, scale_inv = kernels.cast_transpose(x2d, scale, dtype)
-        return Float8Data(q.view(x.shape), scale_inv)
+        out = fused_or_none(kernels.cast_transpose, x2d, scale, dtype)
+        if out is not None:
+            return Float8Data(out[0].view(x.shape), out[2])
     return _cast_reference(x, scale, dtype)
 
 
@@ -214,10 +229,12 @@ def cast_transpose_unchecked(x: torch.Tensor, scale: torch.Tensor, dtype: torch.
     amax_history[0, index])`` made once (`scaling.ScalingState`), for the reference
     path."""
     kernels = fused_kernels(x)
+    out = None
     if kernels is not None and _fused_state_ok(x, scale, amax_history):
-        q, q_t, scale_inv = kernels.cast_transpose(x, scale, dtype, index=index,
-                                                   amax_history=amax_history,
-                                                   data=data, transpose=transpose)
+        out = fused_or_none(kernels.cast_transpose, x, scale, dtype, index=index,
+                            amax_history=amax_history, data=data, transpose=transpose)
+    if out is not None:
+        q, q_t, scale_inv = out
         return (Float8Data(q, scale_inv) if data else None,
                 Float8Data(q_t, scale_inv) if transpose else None)
     if views is not None:
@@ -246,10 +263,13 @@ def cast_pair_unchecked(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     launch for both (a te.Linear forward pays one launch less); the same bits as two
     casts."""
     kernels = fused_kernels(x)
+    out = None
     if (kernels is not None and fused_kernels(w) is not None and w.device == x.device
             and _fused_state_ok(x, scale, amax_history)):
-        (qx, qx_t, inv_x), (qw, qw_t, inv_w) = kernels.cast_pair(
-            x, w, scale, dtype, index, index + 1, amax_history, transpose_x, transpose_w)
+        out = fused_or_none(kernels.cast_pair, x, w, scale, dtype, index, index + 1,
+                            amax_history, transpose_x, transpose_w)
+    if out is not None:
+        (qx, qx_t, inv_x), (qw, qw_t, inv_w) = out
         return ((Float8Data(qx, inv_x), Float8Data(qx_t, inv_x) if transpose_x else None),
                 (Float8Data(qw, inv_w), Float8Data(qw_t, inv_w) if transpose_w else None))
     return (cast_transpose_unchecked(x, scale, dtype, index, amax_history, True, transpose_x,
@@ -265,9 +285,11 @@ def current_scaling_cast(x: torch.Tensor, dtype: torch.dtype, power_2_scale: boo
     of its own amax); non-finite amaxes add to ``non_finite``. On CUDA two launches
     (NOTE [Fused casts])."""
     kernels = fused_kernels(x)
-    if kernels is not None:
-        q, q_t, scale_inv = kernels.current_cast(x, dtype, power_2_scale, amax_epsilon,
-                                                 non_finite, data, transpose)
+    out = None if kernels is None else fused_or_none(
+        kernels.current_cast, x, dtype, power_2_scale, amax_epsilon, non_finite, data,
+        transpose)
+    if out is not None:
+        q, q_t, scale_inv = out
         return (Float8Data(q, scale_inv) if data else None,
                 Float8Data(q_t, scale_inv) if transpose else None)
     scale = current_scale(amax(x), dtype, power_2_scale, amax_epsilon, non_finite=non_finite)

@@ -16,7 +16,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .common import TL_FP8 as _TL_FP8, max_nan, to_fp8
+    from .common import TL_FP8 as _TL_FP8, max_nan, store_fp8, to_fp8
 
 __all__ = ["block_cast"]
 
@@ -56,7 +56,8 @@ if AVAILABLE:
         else:
             y = x * scale[:, None]
         y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + r64[:, None] * C + c64[None, :], to_fp8(y, OUT_DTYPE), mask=mask)
+        # FP8 data through store_fp8 only (NOTE [FP8 stores] in common.py)
+        store_fp8(q_ptr + r64[:, None] * C + c64[None, :], to_fp8(y, OUT_DTYPE), mask)
         if TILE:
             tl.store(scale_inv_ptr + pid_r * col_blocks + pid_c, tl.div_rn(1.0, scale))
             tl.store(amax_ptr + pid_r * col_blocks + pid_c, block_amax)

@@ -33,7 +33,7 @@ if AVAILABLE:
     import triton.language as tl
 
     from .common import (TL_FP8 as _TL_FP8, abs_bits, current_scale, fold_amax, saturate,
-                         tile_amax_bits, to_fp8)
+                         store_fp8, tile_amax_bits, to_fp8)
 
 __all__ = ["AVAILABLE", "cast_transpose", "cast_pair", "current_cast", "amax", "delayed_update_",
            "block_cast", "transpose", "direct_launch_supported", "DIRECT_LAUNCH_TRITON_VERSIONS"]
@@ -64,9 +64,9 @@ if AVAILABLE:
         scale = tl.load(scale_ptr + index)
         if WRITE_AMAX:
             fold_amax(amax_ptr, index, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
-        if WRITE_Q:
-            tl.store(q_ptr + rm64[:, None] * N + rn64[None, :],
-                     to_fp8(saturate(x, scale, FP8_MAX), OUT_DTYPE), mask=mask)
+        if WRITE_Q:         # FP8 data through store_fp8 only (NOTE [FP8 stores])
+            store_fp8(q_ptr + rm64[:, None] * N + rn64[None, :],
+                      to_fp8(saturate(x, scale, FP8_MAX), OUT_DTYPE), mask)
         if WRITE_QT:
             # The transposed tile is loaded again in transposed order (a hit in L2) and
             # cast the same way, rather than transposed in registers: on an H200 with
@@ -74,8 +74,8 @@ if AVAILABLE:
             mask_t = (rn[:, None] < N) & (rm[None, :] < M)
             xt = tl.load(x_ptr + rn64[:, None] * stride_xn + rm64[None, :] * stride_xm,
                          mask=mask_t, other=0.0).to(tl.float32)
-            tl.store(qt_ptr + rn64[:, None] * M + rm64[None, :],
-                     to_fp8(saturate(xt, scale, FP8_MAX), OUT_DTYPE), mask=mask_t)
+            store_fp8(qt_ptr + rn64[:, None] * M + rm64[None, :],
+                      to_fp8(saturate(xt, scale, FP8_MAX), OUT_DTYPE), mask_t)
         if (pid_m == 0) & (pid_n == 0):
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))   # IEEE-rounded
 
@@ -268,14 +268,14 @@ if AVAILABLE:
                 mask = (rm[:, None] < M) & (rn[None, :] < N)
                 x = tl.load(x_ptr + rm64[:, None] * stride_xm + rn64[None, :] * stride_xn,
                             mask=mask, other=0.0).to(tl.float32)
-                tl.store(q_ptr + rm64[:, None] * N + rn64[None, :],
-                         to_fp8(saturate(x, scale, FP8_MAX), OUT_DTYPE), mask=mask)
+                store_fp8(q_ptr + rm64[:, None] * N + rn64[None, :],
+                          to_fp8(saturate(x, scale, FP8_MAX), OUT_DTYPE), mask)
             if WRITE_QT:        # loaded in transposed order, as in _cast_tile
                 mask_t = (rn[:, None] < N) & (rm[None, :] < M)
                 xt = tl.load(x_ptr + rn64[:, None] * stride_xn + rm64[None, :] * stride_xm,
                              mask=mask_t, other=0.0).to(tl.float32)
-                tl.store(qt_ptr + rn64[:, None] * M + rm64[None, :],
-                         to_fp8(saturate(xt, scale, FP8_MAX), OUT_DTYPE), mask=mask_t)
+                store_fp8(qt_ptr + rn64[:, None] * M + rm64[None, :],
+                          to_fp8(saturate(xt, scale, FP8_MAX), OUT_DTYPE), mask_t)
 
     _launch_partial_amax = Launcher(_partial_amax_kernel)
     _launch_current_cast = Launcher(_current_cast_kernel)

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernel_config import get_kernel_config
+from ..kernel_config import SuspectCompile, get_kernel_config
 
 try:
     import triton
@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - older Triton: every launch through the
 
 __all__ = ["Launcher", "int_spec", "aligned", "direct_launch_supported",
            "DIRECT_LAUNCH_TRITON_VERSIONS", "INTERPRET", "undefined_registers",
-           "suspect_compiles"]
+           "suspect_compiles", "ptx_suspect", "SuspectCompile"]
 
 _INT32_MIN, _INT32_MAX = -2 ** 31, 2 ** 31 - 1
 
@@ -144,10 +144,22 @@ def undefined_registers(ptx: str) -> List[str]:
     return sorted(r for r in read - written if not _SPECIAL.match(r))
 
 
+# NOTE [Suspect compiles]
+#     A specialization is compiled (Triton's ``warmup``: nothing runs) and its PTX
+#     checked by `undefined_registers` before its first launch. A suspect one is refused:
+#     that launch and every later one of the same specialization raise `SuspectCompile`
+#     before anything is written, and the caller (quantize.py, block_scaling.py,
+#     delayed_scaling.py, module/fused_producers.py) takes the torch path, which gives
+#     the same bits the kernel would have (NOTE [FP8 cast formula]). One RuntimeWarning
+#     per kernel names it. The kernels store FP8 data only through `common.store_fp8`,
+#     and tests/pytorch/test_kernel_ptx.py compiles every specialization the tests and
+#     benchmarks reach on the CPU (no GPU needed) and requires none to be suspect: the
+#     refusal is a safety net, not a path the package expects to take.
+
 # (kernel name, registers) of each compiled kernel whose PTX reads registers it never
-# writes; `Launcher` adds to it and warns once per compiled kernel
+# writes; `Launcher` adds to it and warns once per kernel
 _SUSPECT: List[Tuple[str, Tuple[str, ...]]] = []
-_CHECKED: set = set()
+_WARNED: set = set()
 
 
 def suspect_compiles() -> List[Tuple[str, Tuple[str, ...]]]:
@@ -156,61 +168,75 @@ def suspect_compiles() -> List[Tuple[str, Tuple[str, ...]]]:
     return list(_SUSPECT)
 
 
-def _check_ptx(kernel, compiled) -> None:
+def ptx_suspect(kernel, compiled) -> bool:
+    """Whether ``compiled`` (a compiled Triton kernel) reads registers it never
+    writes; records and warns once per kernel if so (NOTE [Suspect compiles])."""
     asm = getattr(compiled, "asm", None)
-    tag = getattr(compiled, "hash", None) or id(compiled)
-    if asm is None or tag in _CHECKED:
-        return
-    _CHECKED.add(tag)
     try:
         ptx = asm["ptx"]
     except (KeyError, TypeError):      # a cache that keeps binaries only
-        return
+        return False
     regs = undefined_registers(ptx)
-    if regs:
-        name = getattr(kernel, "__name__", str(kernel))
-        _SUSPECT.append((name, tuple(regs)))
+    if not regs:
+        return False
+    name = getattr(kernel, "__name__", str(kernel))
+    _SUSPECT.append((name, tuple(regs)))
+    if name not in _WARNED:
+        _WARNED.add(name)
         warnings.warn(
             f"Triton compiled {name} to PTX that reads registers it never writes "
-            f"({', '.join(regs[:4])}{', ...' if len(regs) > 4 else ''}); the ptxas of "
-            f"Triton 3.6 miscompiles such code (see NOTE [FP8 stores] in "
-            f"transformer_engine/pytorch/kernels/common.py): its outputs may be wrong. "
-            f"NVTE_FUSED_FP8_KERNELS=0 (KernelConfig(fused=False)) runs the torch ops "
-            f"instead.", RuntimeWarning, stacklevel=3)
+            f"({', '.join(regs[:4])}{', ...' if len(regs) > 4 else ''}), code the ptxas "
+            f"of Triton 3.6 miscompiles (NOTE [FP8 stores] in "
+            f"transformer_engine/pytorch/kernels/common.py): this specialization is not "
+            f"used; its launches take the torch path, which gives the same bits.",
+            RuntimeWarning, stacklevel=4)
+    return True
 
 
 class Launcher:
     """Launches one JIT kernel (NOTE [Launch overhead]). The caller passes ``key``:
     everything the JIT specializes the kernel on (dtypes, constexpr values, int and
     alignment specializations of the runtime arguments) that its arguments can vary
-    in. The first launch of a key goes through the JIT; later ones call the compiled
-    kernel's launcher directly. Arguments are positional, constexprs included, in the
-    kernel's parameter order. ``options`` are compile options passed on every JIT
-    launch (``enable_fp_fusion=False``: no multiply-add contraction but the explicit
+    in. The first launch of a key compiles it without running it and checks its PTX
+    (NOTE [Suspect compiles]): a suspect key raises `SuspectCompile` now and on every
+    later launch. Later launches of a sound key call the compiled kernel's launcher
+    directly. Arguments are positional, constexprs included, in the kernel's parameter
+    order. ``options`` are compile options passed on every JIT launch
+    (``enable_fp_fusion=False``: no multiply-add contraction but the explicit
     ``tl.fma`` of a kernel, NOTE [Same arithmetic] in activations.py)."""
 
     def __init__(self, kernel, **options):
         self.kernel = kernel
         self.options = {} if INTERPRET else _known_options(options)
-        self.compiled: Dict[tuple, tuple] = {}
+        self.compiled: Dict[tuple, Optional[tuple]] = {}    # None: checked, no direct entry
+        self.refused: set = set()
+
+    def _first_launch(self, grid, num_warps: int, entry_key: tuple, args) -> None:
+        """Compile ``entry_key``'s specialization, check it, remember the verdict."""
+        compiled = self.kernel.warmup(*args, grid=grid, num_warps=num_warps, **self.options)
+        if ptx_suspect(self.kernel, compiled):
+            self.refused.add(entry_key)
+            raise SuspectCompile(getattr(self.kernel, "__name__", str(self.kernel)))
+        direct = (compiled is not None and getattr(compiled, "function", None) is not None)
+        self.compiled[entry_key] = ((compiled.run, compiled.function, compiled.packed_metadata)
+                                    if direct else None)
 
     def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:
-        if not (_DIRECT_LAUNCH_OK and get_kernel_config().direct_launch):
-            compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
-            if not INTERPRET:
-                _check_ptx(self.kernel, compiled)
+        if INTERPRET:
+            self.kernel[grid](*args, num_warps=num_warps, **self.options)
             return
         # Triton launches on the current device; CUDA is initialized by the time a
         # module casts on it, so torch.cuda.current_device()'s lazy-init check is skipped
         device = torch._C._cuda_getDevice()
-        entry = self.compiled.get((device, key))
-        if entry is None or _hooks_registered():
-            compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
-            _check_ptx(self.kernel, compiled)
-            if (entry is None and compiled is not None
-                    and getattr(compiled, "function", None) is not None):
-                self.compiled[(device, key)] = (compiled.run, compiled.function,
-                                                compiled.packed_metadata)
+        entry_key = (device, key)
+        if entry_key not in self.compiled:
+            if entry_key in self.refused:
+                raise SuspectCompile(getattr(self.kernel, "__name__", str(self.kernel)))
+            self._first_launch(grid, num_warps, entry_key, args)
+        entry = self.compiled[entry_key]
+        if (entry is None or not (_DIRECT_LAUNCH_OK and get_kernel_config().direct_launch)
+                or _hooks_registered()):
+            self.kernel[grid](*args, num_warps=num_warps, **self.options)
             return
         run, function, metadata = entry
         stream = torch._C._cuda_getCurrentRawStream(device)

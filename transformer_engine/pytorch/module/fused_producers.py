@@ -46,9 +46,12 @@ import torch
 
 from ..non_finite import non_finite_counter
 from ..fp8_shapes import FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data
-from ..kernel_config import get_kernel_config
+from ..kernel_config import SuspectCompile, get_kernel_config
+from ..quantize import fused_or_none
+from .activations import activate
 from .backward_override import backward_override
 from .forward_plan import ForwardPlan
+from .fp8_operands import cast_operand
 
 __all__ = ["fused_producers_on", "NormCast", "ActCast", "GradHandoff", "unwritten",
            "norm_cast_input", "act_cast_input"]
@@ -210,13 +213,18 @@ def norm_cast_input(plan: ForwardPlan, fp8_meta: dict, x: torch.Tensor, weight: 
                     transpose: bool, index: int = 0):
     """``(ln_out, (x_fp8, x_fp8^T or None))``: the normalization of ``x`` and its FP8
     copy as the GEMM whose input is forward slot ``index`` takes it (NOTE [Fused
-    producers]). ``ln_out`` is `unwritten` unless ``write_y``."""
+    producers]). ``ln_out`` is `unwritten` unless ``write_y``. ``(None, None)`` where
+    the kernel's specialization was refused (NOTE [Suspect compiles] in
+    kernels/launch.py): the caller then takes the unfused path."""
     state = fp8_meta["scaling_fwd"] if plan.delayed else None
     call = _NormCall(normalization, eps, zero_centered_gamma, out_dtype,
                      plan.recipe.fp8_format.value.dtype_fwd,
                      _scaling(plan, state, index, "fwd_inp", plan.record_amax, x.device),
                      write_y, transpose)
-    ln_out = NormCast.apply(x, weight, bias, call)
+    try:
+        ln_out = NormCast.apply(x, weight, bias, call)
+    except SuspectCompile:      # refused before it wrote anything: the caller normalizes
+        return None, None
     return ln_out, call.fp8
 
 
@@ -239,13 +247,14 @@ class _ActCall:
     ``(input_fp8, input_fp8^T or None)``."""
 
     __slots__ = ("activation", "dtype", "scaling", "transpose", "handoff", "plan",
-                 "fp8_meta", "bwd_index", "fp8")
+                 "fp8_meta", "fwd_index", "bwd_index", "fp8")
 
     def __init__(self, activation, dtype, scaling, transpose, handoff, plan, fp8_meta,
-                 bwd_index):
+                 fwd_index, bwd_index):
         self.activation, self.dtype, self.scaling = activation, dtype, scaling
         self.transpose, self.handoff, self.plan = transpose, handoff, plan
-        self.fp8_meta, self.bwd_index, self.fp8 = fp8_meta, bwd_index, None
+        self.fp8_meta, self.fwd_index, self.bwd_index = fp8_meta, fwd_index, bwd_index
+        self.fp8 = None
 
 
 class ActCast(torch.autograd.Function):
@@ -260,13 +269,20 @@ class ActCast(torch.autograd.Function):
         x2d = fc1_out.reshape(-1, width)
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
-        _, q, q_t, scale_inv = act_cast.act_cast(x2d, call.activation, call.dtype,
-                                                 transpose=call.transpose, **call.scaling)
-        call.fp8 = _fp8_pair(q, q_t, scale_inv)
+        out = fused_or_none(act_cast.act_cast, x2d, call.activation, call.dtype,
+                            transpose=call.transpose, **call.scaling)
+        if out is None:         # NOTE [Suspect compiles]: the unfused path's casts
+            plan = call.plan
+            state = call.fp8_meta["scaling_fwd"] if plan.delayed else None
+            call.fp8 = cast_operand(activate(x2d, call.activation), plan, state,
+                                    call.fwd_index, call.dtype, plan.record_amax, "fwd_inp",
+                                    True, call.transpose)
+        else:
+            call.fp8 = _fp8_pair(*out[1:])
         ctx.save_for_backward(x2d)
         ctx.call = call
         ctx.shape = fc1_out.shape
-        out_shape = (*fc1_out.shape[:-1], q.shape[1])
+        out_shape = (*fc1_out.shape[:-1], call.fp8[0].data.shape[1])
         return unwritten(out_shape, fc1_out.dtype, fc1_out.device)
 
     @staticmethod
@@ -279,11 +295,22 @@ class ActCast(torch.autograd.Function):
             dy2d = dy2d.contiguous()
         need_dgrad, need_wgrad, bias_dtype = call.handoff.needs
         state = call.fp8_meta["scaling_bwd"] if plan.delayed else None
-        q, q_t, scale_inv, dbias = _kernels[2].dact_cast(
-            x2d, dy2d, call.activation, plan.recipe.fp8_format.value.dtype_bwd,
-            data=need_dgrad or not need_wgrad, transpose=need_wgrad, dbias_dtype=bias_dtype,
+        dtype, data = plan.recipe.fp8_format.value.dtype_bwd, need_dgrad or not need_wgrad
+        out = fused_or_none(
+            _kernels[2].dact_cast, x2d, dy2d, call.activation, dtype, data=data,
+            transpose=need_wgrad, dbias_dtype=bias_dtype,
             **_scaling(plan, state, call.bwd_index, "bwd_grad", True, x2d.device))
-        call.handoff.grad = (*_fp8_pair(q, q_t, scale_inv), dbias)
+        if out is None:         # NOTE [Suspect compiles]: the unfused path's backward
+            with torch.enable_grad():
+                x = x2d.detach().requires_grad_()
+                (grad,) = torch.autograd.grad(activate(x, call.activation), x, dy2d)
+            dbias = None if bias_dtype is None else (
+                grad.sum(0) if grad.dtype == bias_dtype
+                else grad.sum(0, dtype=torch.float32).to(bias_dtype))
+            call.handoff.grad = (*cast_operand(grad, plan, state, call.bwd_index, dtype, True,
+                                               "bwd_grad", data, need_wgrad), dbias)
+        else:
+            call.handoff.grad = (*_fp8_pair(*out[:3]), out[3])
         return unwritten(ctx.shape, x2d.dtype, x2d.device), None
 
 
@@ -296,7 +323,7 @@ def act_cast_input(plan: ForwardPlan, fp8_meta: dict, fc1_out: torch.Tensor, act
     call = _ActCall(activation, plan.recipe.fp8_format.value.dtype_fwd,
                     _scaling(plan, state, fwd_index, "fwd_inp", plan.record_amax,
                              fc1_out.device),
-                    transpose, handoff, plan, fp8_meta, bwd_index)
+                    transpose, handoff, plan, fp8_meta, fwd_index, bwd_index)
     act_out = ActCast.apply(fc1_out, call)
     fp8, call.fp8 = call.fp8, None      # the backward keeps `call`, not FC2's FP8 input
     return act_out, fp8

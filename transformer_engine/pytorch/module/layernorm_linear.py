@@ -178,7 +178,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                     self.normalization, self.eps, self.zero_centered_gamma,
                     activation_dtype(inp), write_y=self.return_layernorm_output,
                     transpose=weight.requires_grad and torch.is_grad_enabled())
-            else:
+            if ln_fp8 is None:      # unfused, or its kernel refused (NOTE [Suspect compiles])
                 ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
                                    self.normalization, self.eps, self.zero_centered_gamma)
             bias = joined_parameter(self, self.bias_names)

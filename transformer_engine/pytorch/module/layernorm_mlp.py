@@ -258,7 +258,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
                         self.normalization, self.eps, self.zero_centered_gamma,
                         activation_dtype(inp), write_y=self.return_layernorm_output,
                         transpose=self.fc1_weight.requires_grad and torch.is_grad_enabled())
-                else:
+                if ln_fp8 is None:  # unfused, or its kernel refused (NOTE [Suspect compiles])
                     ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias,
                                        self.normalization, self.eps, self.zero_centered_gamma)
                 out = self._mlp(ln_out, plan, ln_fp8)
