@@ -1,0 +1,1 @@
+"""Fused optimizers and multi-tensor operations."""
