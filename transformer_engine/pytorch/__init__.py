@@ -1,6 +1,6 @@
 """``import transformer_engine.pytorch as te``: the public names, as TE spells them."""
 
-from . import distributed, ops, quantization, router, tensor
+from . import distributed, ops, optimizers, quantization, router, tensor
 from .attention import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,
                         apply_rotary_pos_emb)
 from .distributed import CudaRNGStatesTracker, checkpoint
