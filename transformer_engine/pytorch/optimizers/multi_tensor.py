@@ -102,7 +102,7 @@ def _scale(chunk_size, noop_flag, tensor_lists, scale, scale_tensor, name):
             continue
         math = _math_dtype(group)
         src = [t.to(math) for t in group[0]]
-        factor = scale_tensor.to(math) if scale_tensor is not None else (
+        factor = scale_tensor.to(math).reshape(()) if scale_tensor is not None else (
             scale if math == torch.float64 else _f32(scale))
         torch._foreach_copy_(group[1], torch._foreach_mul(src, factor))
         peaks = torch._foreach_norm(src, float("inf"))
@@ -151,7 +151,7 @@ def _l2norm(chunk_size, noop_flag, tensor_lists, per_tensor, inv_scale, name):
         math = _math_dtype(tensor_lists)
         src = [t.to(math) for t in tensors]
         if inv_scale is not None:
-            src = torch._foreach_mul(src, inv_scale.to(device=device, dtype=math))
+            src = torch._foreach_mul(src, inv_scale.to(device=device, dtype=math).reshape(()))
         norms = torch.stack(torch._foreach_norm(src, 2.0))
         sums.copy_(norms * norms)
         bad = ~torch.isfinite(norms).all()
