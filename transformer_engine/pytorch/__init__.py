@@ -16,7 +16,7 @@ from .transformer import TransformerLayer
 from .utils import get_device_compute_capability, is_bf16_available
 
 __all__ = [
-    "distributed", "ops", "quantization", "router", "tensor", "checkpoint",
+    "distributed", "ops", "optimizers", "quantization", "router", "tensor", "checkpoint",
     "CudaRNGStatesTracker", "FP8GlobalStateManager",
     "autocast", "fp8_autocast", "get_default_fp8_recipe", "get_default_recipe",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",

@@ -323,7 +323,7 @@ class FusedAdam(torch.optim.Optimizer):
         if self.capturable:
             inv_scale = (grad_scaler._get_scale_async().double().reciprocal().float()
                          if grad_scaler is not None else torch.ones(1, device=device))
-            for kind, tensor_lists in lists.items():
+            for tensor_lists in lists.values():
                 op = mt.multi_tensor_adam_capturable if len(tensor_lists) == 4 \
                     else mt.multi_tensor_adam_capturable_master
                 multi_tensor_applier(op, self._dummy_overflow_buf, tensor_lists, group["lr"],
