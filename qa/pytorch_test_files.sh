@@ -67,6 +67,10 @@ TESTS=(
     tests/pytorch/test_megatron_import.py
     tests/pytorch/test_megatron_gpt.py
     tests/pytorch/test_megatron_moe.py
+    tests/pytorch/test_megatron_optimizers.py
+    tests/pytorch/test_fused_optimizers.py
+    tests/pytorch/test_multi_tensor_ops.py
+    tests/pytorch/test_multi_tensor_kernels.py
     tests/pytorch/distributed/test_amax_reduction.py
     tests/pytorch/distributed/test_tensor_parallel.py
     tests/pytorch/distributed/test_tensor_parallel_modules.py

@@ -1,6 +1,6 @@
 """``import transformer_engine.pytorch as te``: the public names, as TE spells them."""
 
-from . import distributed, ops, quantization, router, tensor
+from . import distributed, ops, optimizers, quantization, router, tensor
 from .attention import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,
                         apply_rotary_pos_emb)
 from .distributed import CudaRNGStatesTracker, checkpoint
@@ -16,7 +16,7 @@ from .transformer import TransformerLayer
 from .utils import get_device_compute_capability, is_bf16_available
 
 __all__ = [
-    "distributed", "ops", "quantization", "router", "tensor", "checkpoint",
+    "distributed", "ops", "optimizers", "quantization", "router", "tensor", "checkpoint",
     "CudaRNGStatesTracker", "FP8GlobalStateManager",
     "autocast", "fp8_autocast", "get_default_fp8_recipe", "get_default_recipe",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
