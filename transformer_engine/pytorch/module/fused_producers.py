@@ -288,15 +288,18 @@ class ActCast(torch.autograd.Function):
 
 
 def act_cast_input(plan: ForwardPlan, fp8_meta: dict, fc1_out: torch.Tensor, activation: str,
-                   transpose: bool, handoff: GradHandoff, fwd_index: int, bwd_index: int):
+                   transpose: bool, handoff: GradHandoff, fwd_index: int, bwd_index: int,
+                   bwd_fp8_meta: Optional[dict] = None):
     """``(act_out, (fc2_input_fp8, its transpose or None))``: the activation of FC1's
     output written as FC2's FP8 input (forward slot ``fwd_index``); its backward hands
-    FC1's output gradient (backward slot ``bwd_index``) to FC1 through ``handoff``."""
+    FC1's output gradient (backward slot ``bwd_index`` of ``bwd_fp8_meta``, which is
+    ``fp8_meta`` unless FC1's state is another module's) to FC1 through ``handoff``."""
     state = fp8_meta["scaling_fwd"] if plan.delayed else None
     call = _ActCall(activation, plan.recipe.fp8_format.value.dtype_fwd,
                     _scaling(plan, state, fwd_index, "fwd_inp", plan.record_amax,
                              fc1_out.device),
-                    transpose, handoff, plan, fp8_meta, bwd_index)
+                    transpose, handoff, plan,
+                    fp8_meta if bwd_fp8_meta is None else bwd_fp8_meta, bwd_index)
     act_out = ActCast.apply(fc1_out, call)
     fp8, call.fp8 = call.fp8, None      # the backward keeps `call`, not FC2's FP8 input
     return act_out, fp8
