@@ -91,7 +91,7 @@ def test_linear_equals_te_linear(device, recipe, bias):
         if bias:
             ref.bias.uniform_(-1, 1)
             op.bias.copy_(ref.bias)
-    for step in range(2):
+    for _ in range(2):
         x = torch.randn(2, 8, HIDDEN, device=device, requires_grad=True)
         with te.autocast(recipe=recipe):
             y_ref = ref(x)
