@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import warnings
 
-
 from ...module.activations import activate, is_gated
 from ...utils import check_bool
 from ..op import BasicOperation
