@@ -16,6 +16,8 @@ TESTS=(
     tests/pytorch/test_fp8_shapes.py
     tests/pytorch/test_fp8_autocast.py
     tests/pytorch/test_linear.py
+    tests/pytorch/test_te_ops.py
+    tests/pytorch/test_te_ops_checkpoint.py
     tests/pytorch/test_linear_save_original_input.py
     tests/pytorch/test_delay_wgrad_compute.py
     tests/pytorch/test_autocast_dtypes.py

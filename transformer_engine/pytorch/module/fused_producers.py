@@ -247,14 +247,14 @@ class _ActCall:
     ``(input_fp8, input_fp8^T or None)``."""
 
     __slots__ = ("activation", "dtype", "scaling", "transpose", "handoff", "plan",
-                 "fp8_meta", "fwd_index", "bwd_index", "fp8")
+                 "fp8_meta", "bwd_fp8_meta", "fwd_index", "bwd_index", "fp8")
 
     def __init__(self, activation, dtype, scaling, transpose, handoff, plan, fp8_meta,
-                 fwd_index, bwd_index):
+                 bwd_fp8_meta, fwd_index, bwd_index):
         self.activation, self.dtype, self.scaling = activation, dtype, scaling
         self.transpose, self.handoff, self.plan = transpose, handoff, plan
-        self.fp8_meta, self.fwd_index, self.bwd_index = fp8_meta, fwd_index, bwd_index
-        self.fp8 = None
+        self.fp8_meta, self.bwd_fp8_meta = fp8_meta, bwd_fp8_meta
+        self.fwd_index, self.bwd_index, self.fp8 = fwd_index, bwd_index, None
 
 
 class ActCast(torch.autograd.Function):
@@ -294,7 +294,7 @@ class ActCast(torch.autograd.Function):
         if dy2d.stride(1) != 1:
             dy2d = dy2d.contiguous()
         need_dgrad, need_wgrad, bias_dtype = call.handoff.needs
-        state = call.fp8_meta["scaling_bwd"] if plan.delayed else None
+        state = call.bwd_fp8_meta["scaling_bwd"] if plan.delayed else None
         dtype, data = plan.recipe.fp8_format.value.dtype_bwd, need_dgrad or not need_wgrad
         out = fused_or_none(
             _kernels[2].dact_cast, x2d, dy2d, call.activation, dtype, data=data,
@@ -315,15 +315,18 @@ class ActCast(torch.autograd.Function):
 
 
 def act_cast_input(plan: ForwardPlan, fp8_meta: dict, fc1_out: torch.Tensor, activation: str,
-                   transpose: bool, handoff: GradHandoff, fwd_index: int, bwd_index: int):
+                   transpose: bool, handoff: GradHandoff, fwd_index: int, bwd_index: int,
+                   bwd_fp8_meta: Optional[dict] = None):
     """``(act_out, (fc2_input_fp8, its transpose or None))``: the activation of FC1's
     output written as FC2's FP8 input (forward slot ``fwd_index``); its backward hands
-    FC1's output gradient (backward slot ``bwd_index``) to FC1 through ``handoff``."""
+    FC1's output gradient (backward slot ``bwd_index`` of ``bwd_fp8_meta``, which is
+    ``fp8_meta`` unless FC1's state is another module's) to FC1 through ``handoff``."""
     state = fp8_meta["scaling_fwd"] if plan.delayed else None
     call = _ActCall(activation, plan.recipe.fp8_format.value.dtype_fwd,
                     _scaling(plan, state, fwd_index, "fwd_inp", plan.record_amax,
                              fc1_out.device),
-                    transpose, handoff, plan, fp8_meta, fwd_index, bwd_index)
+                    transpose, handoff, plan, fp8_meta,
+                    fp8_meta if bwd_fp8_meta is None else bwd_fp8_meta, fwd_index, bwd_index)
     act_out = ActCast.apply(fc1_out, call)
     fp8, call.fp8 = call.fp8, None      # the backward keeps `call`, not FC2's FP8 input
     return act_out, fp8
