@@ -742,7 +742,7 @@ PAYLOAD_CASES = [
     _case(_edit(_set_recipe("reduce_amax", "yes")), ValueError,
           "recipe: DelayedScaling: reduce_amax must be a bool, got 'yes'", "recipe-reduce-amax"),
     _case(_edit(_set_recipe("fp8_format", "E6M1")), ValueError,
-          r"recipe: fp8_format must be one of \['E4M3', 'E5M2', 'HYBRID'\], got 'E6M1'",
+          r"recipe: fp8_format must be one of \['E4M3', 'E5M2', 'E2M1', 'HYBRID'\], got 'E6M1'",
           "recipe-format-unknown"),
     _case(_edit(_set_recipe("fp8_format", Format.E5M2)), ValueError,
           "recipe: DelayedScaling: fp8_format=Format.E5M2 is not supported", "recipe-format-e5m2"),
