@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Format
+from transformer_engine.common.recipe import DelayedScaling, Format, MXFP8BlockScaling
 from helpers import (DEVICES, assert_runs_equal, assert_states_equal, assert_tensors_equal, capture,
                      fp8_state_snapshot, te_modules)
 
@@ -211,12 +211,20 @@ def test_eval_forward_follows_use_autocast_during_eval(device, use_during_eval):
                         fp8_state_snapshot(te_modules(reference)), "after the eval forward")
 
 
-def test_mxfp8_request_is_refused_with_our_reason():
-    assert accelerate_imports.is_transformer_engine_mxfp8_available() is False
-    model, _, _ = make_task("cpu")
+def test_mxfp8_request_trains_with_the_emulated_recipe():
+    assert accelerate_imports.is_transformer_engine_mxfp8_available() is True
+    model, x, y = make_task("cpu")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     accelerator = Accelerator(mixed_precision="fp8", cpu=True,
                               kwargs_handlers=[TERecipeKwargs(use_mxfp8_block_scaling=True)])
-    with pytest.raises(ValueError, match="MXFP8 block scaling is not available: MXFP8 block "
-                                         "scaling is not implemented"):
-        accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    seen = []
+    for m in model.modules():
+        if isinstance(m, te.TransformerEngineBaseModule):
+            m.register_forward_pre_hook(
+                lambda mod, args: seen.append(te.FP8GlobalStateManager.get_fp8_recipe()))
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    accelerator.backward(loss)
+    optimizer.step()
+    assert seen and all(isinstance(r, MXFP8BlockScaling) for r in seen)
+    assert torch.isfinite(loss)

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import (DelayedScaling, Float8CurrentScaling, Format,
-                                               MXFP8BlockScaling)
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 from helpers import assert_states_equal, fp8_state_snapshot, fp8_training_steps
 
 CPU = "cpu"
@@ -743,12 +742,12 @@ PAYLOAD_CASES = [
     _case(_edit(_set_recipe("reduce_amax", "yes")), ValueError,
           "recipe: DelayedScaling: reduce_amax must be a bool, got 'yes'", "recipe-reduce-amax"),
     _case(_edit(_set_recipe("fp8_format", "E6M1")), ValueError,
-          r"recipe: fp8_format must be one of \['E4M3', 'E5M2', 'HYBRID'\], got 'E6M1'",
+          r"recipe: fp8_format must be one of \['E4M3', 'E5M2', 'E2M1', 'HYBRID'\], got 'E6M1'",
           "recipe-format-unknown"),
     _case(_edit(_set_recipe("fp8_format", Format.E5M2)), ValueError,
           "recipe: DelayedScaling: fp8_format=Format.E5M2 is not supported", "recipe-format-e5m2"),
-    _case(_edit(_set("recipe", lambda r: MXFP8BlockScaling())), ValueError,
-          INVALID + "it refers to transformer_engine.common.recipe.MXFP8BlockScaling, which an "
+    _case(_edit(_set("recipe", lambda r: Recipe())), ValueError,
+          INVALID + "it refers to transformer_engine.common.recipe.Recipe, which an "
           "FP8 extra state never holds", "recipe-unknown-type"),
     _case(_edit(_set("recipe", lambda r: [r])), ValueError,
           "recipe: expected None or a DelayedScaling, Float8CurrentScaling or "

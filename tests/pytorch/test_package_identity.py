@@ -19,7 +19,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
                                               Float8CurrentScaling, MXFP8BlockScaling,
                                               NVFP4BlockScaling)
-from transformer_engine.pytorch import fp8
+from transformer_engine.pytorch import fp8, quantization
 
 from helpers import HAS_CUDA_FP8
 
@@ -128,11 +128,19 @@ def test_check_fp8_support_agrees_with_is_fp8_available():
         assert ok is True and reason == ""     # the CPU FP8 GEMM runs in the pinned torch
 
 
-def test_mxfp8_reports_false_with_reason():
-    ok, reason = fp8.check_mxfp8_support()
-    assert ok is False
-    assert reason.startswith("MXFP8 block scaling is not implemented")
-    assert "DelayedScaling, Float8CurrentScaling and Float8BlockScaling" in reason
+def test_mxfp8_and_nvfp4_run_where_fp8_runs_and_say_they_are_emulated():
+    from transformer_engine.common.recipe import Float8BlockScaling as _Block
+    expected = (True, "") if torch.cuda.is_available() else fp8.is_fp8_available(
+        return_reason=True, device="cpu")
+    assert fp8.check_mxfp8_support() == expected
+    assert quantization.check_nvfp4_support() == expected
+    for recipe in (MXFP8BlockScaling(), NVFP4BlockScaling()):
+        for device in ("cpu",) + (("cuda",) if torch.cuda.is_available() else ()):
+            how, why = quantization.recipe_execution(recipe, device)
+            assert how == "emulated" and "float32 GEMM" in why
+    assert quantization.recipe_execution(_Block(), "cpu")[0] == "emulated"
+    with pytest.raises(TypeError, match="recipe_execution: recipe must be"):
+        quantization.recipe_execution("mxfp8")
 
 
 def test_fp8_block_scaling_is_supported_where_torch_has_fp8():

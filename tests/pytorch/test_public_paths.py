@@ -30,9 +30,10 @@ def test_availability_queries():
                          (te.is_nvfp4_available, quantization.check_nvfp4_support)):
         assert query(return_reason=True) == check()
         assert query() is check()[0]
-    ok, reason = te.is_nvfp4_available(return_reason=True)
-    assert not ok and "NVFP4 block scaling is not implemented" in reason
-    assert not te.is_mxfp8_available()
+    # both are emulated exactly: they run wherever Float8BlockScaling does
+    assert te.is_nvfp4_available(return_reason=True) == te.is_fp8_block_scaling_available(
+        return_reason=True)
+    assert te.is_mxfp8_available() is te.is_fp8_block_scaling_available()
     assert te.get_default_recipe() == DelayedScaling()
 
 

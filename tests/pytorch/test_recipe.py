@@ -20,7 +20,8 @@ def test_format_maxima_and_dtypes():
     assert Format.HYBRID.value.dtype_fwd == torch.float8_e4m3fn
     assert Format.HYBRID.value.dtype_bwd == torch.float8_e5m2
     assert Format.E4M3.value.dtype_bwd == torch.float8_e4m3fn
-    for fmt in Format:
+    assert Format.E2M1.value.max_fwd == 6 and Format.E2M1.value.dtype_fwd == torch.float4_e2m1fn_x2
+    for fmt in (Format.E4M3, Format.E5M2, Format.HYBRID):
         assert torch.finfo(fmt.value.dtype_fwd).max == fmt.value.max_fwd
         assert torch.finfo(fmt.value.dtype_bwd).max == fmt.value.max_bwd
 
@@ -101,17 +102,43 @@ def test_scaling_factor_callable_result_is_converted_to_float32():
 
 @pytest.mark.parametrize("cls", [MXFP8BlockScaling, NVFP4BlockScaling],
                          ids=lambda c: c.__name__)
-def test_unimplemented_recipes_construct_and_refuse_to_run(cls):
+def test_mx_recipes_run_in_autocast(cls):
     recipe = cls()
-    assert not recipe.implemented() and not recipe.delayed()
+    assert recipe.implemented() and not recipe.delayed()
     assert recipe.mxfp8() is (cls is MXFP8BlockScaling)
-    assert not recipe.float8_block_scaling()
+    assert not recipe.float8_block_scaling() and not recipe.float8_per_tensor_scaling()
     assert recipe.nvfp4() is (cls is NVFP4BlockScaling)
-    with pytest.raises(NotImplementedError, match=f"{cls.__name__} is not implemented"):
-        with te.autocast(recipe=recipe):
-            raise AssertionError("the autocast must refuse the recipe")
+    with te.autocast(recipe=recipe):
+        assert te.FP8GlobalStateManager.get_fp8_recipe() is not None
     with te.autocast(enabled=False, recipe=recipe):     # FP8 off: nothing runs it
         assert not te.FP8GlobalStateManager.is_fp8_enabled()
+
+
+def test_mx_recipe_fields_as_te_defines_them(monkeypatch):
+    r = MXFP8BlockScaling()
+    assert (r.fp8_format, r.margin, r.enable_2d_quantization) == (Format.E4M3, 0, False)
+    with pytest.raises(ValueError, match="fp8_format=Format.E5M2"):
+        MXFP8BlockScaling(fp8_format=Format.E5M2)
+    with pytest.raises(TypeError, match="enable_2d_quantization must be a bool"):
+        MXFP8BlockScaling(enable_2d_quantization=1)
+    n = NVFP4BlockScaling()
+    assert (n.fp4_format, n.fp8_format) == (Format.E2M1, Format.E4M3)
+    assert (n.fp4_quant_fwd_inp.random_hadamard_transform, n.fp4_quant_fwd_inp.stochastic_rounding,
+            n.fp4_quant_fwd_inp.fp4_2d_quantization) == (True, False, False)
+    assert (n.fp4_quant_fwd_weight.random_hadamard_transform,
+            n.fp4_quant_fwd_weight.fp4_2d_quantization) == (False, True)
+    assert n.fp4_quant_bwd_grad.stochastic_rounding and n.fp4_quant_bwd_grad.random_hadamard_transform
+    off = NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True,
+                            disable_2d_quantization=True)
+    assert not any(off.fp4_quant_bwd_grad) and not off.fp4_quant_fwd_weight.fp4_2d_quantization
+    monkeypatch.setenv("NVTE_NVFP4_DISABLE_RHT", "1")
+    assert NVFP4BlockScaling().disable_rht
+    with pytest.raises(ValueError, match="fp8_format .* must be Format.E4M3"):
+        NVFP4BlockScaling(fp8_format=Format.HYBRID)
+    with pytest.raises(NotImplementedError, match="4over6"):
+        NVFP4BlockScaling(nvfp4_4over6="all")
+    with pytest.raises(ValueError, match="fp8_format=Format.E2M1 is an FP4 format"):
+        Float8CurrentScaling(fp8_format=Format.E2M1)
 
 
 @pytest.mark.parametrize("recipe, per_tensor", [(DelayedScaling(), True),

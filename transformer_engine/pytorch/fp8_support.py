@@ -11,7 +11,7 @@ import torch
 from . import quantize
 
 __all__ = ["is_fp8_available", "check_fp8_support", "check_mxfp8_support",
-           "check_fp8_block_scaling_support"]
+           "check_fp8_block_scaling_support", "check_nvfp4_support", "recipe_execution"]
 
 
 _CPU_FP8_PROBE: Optional[Tuple[bool, str]] = None
@@ -64,13 +64,25 @@ def check_fp8_support() -> Tuple[bool, str]:
     return is_fp8_available(return_reason=True)
 
 
-_NOT_IMPLEMENTED_RECIPES = ("this pure-PyTorch Transformer Engine implements the DelayedScaling, "
-                            "Float8CurrentScaling and Float8BlockScaling recipes only")
+def _emulation_support() -> Tuple[bool, str]:
+    """Where an exactly emulated recipe runs: on any CUDA device (torch ops on CUDA
+    tensors), and on the CPU where torch's FP8 dtypes and the FP8 GEMM probe work."""
+    if torch.cuda.is_available():
+        return True, ""
+    return is_fp8_available(return_reason=True, device="cpu")
 
 
 def check_mxfp8_support() -> Tuple[bool, str]:
-    """``(False, reason)``: MXFP8 block scaling (``MXFP8BlockScaling``) is not implemented."""
-    return False, f"MXFP8 block scaling is not implemented: {_NOT_IMPLEMENTED_RECIPES}"
+    """``(available, reason)`` for ``MXFP8BlockScaling``: emulated exactly on any CUDA
+    device and on the CPU (NOTE [MXFP8 layout and rounding] in mx_scaling.py), so it
+    runs wherever this package's FP8 runs; `recipe_execution` says it is emulated."""
+    return _emulation_support()
+
+
+def check_nvfp4_support() -> Tuple[bool, str]:
+    """``(available, reason)`` for ``NVFP4BlockScaling``: emulated exactly, as MXFP8
+    (NOTE [NVFP4 layout and rounding] in nvfp4_scaling.py)."""
+    return _emulation_support()
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
@@ -82,3 +94,40 @@ def check_fp8_block_scaling_support() -> Tuple[bool, str]:
     if torch.cuda.is_available():
         return True, ""
     return is_fp8_available(return_reason=True, device="cpu")
+
+
+def recipe_execution(recipe, device=None) -> Tuple[str, str]:
+    """``("native" | "emulated", how)``: whether ``recipe``'s GEMMs run on ``device``'s
+    own low-precision tensor cores or are computed from the quantized operands by a
+    float32 emulation (exact products, float32 sums).
+
+    MXFP8BlockScaling and NVFP4BlockScaling are always emulated here (Blackwell's MX
+    and NVFP4 tensor cores are not used, on Hopper and the CPU there are none).
+    Float8BlockScaling is native on Hopper where its GEMM fits (NOTE [Block-scaled
+    GEMM routing] in block_scaling.py), per-tensor scaling on CUDA devices with FP8
+    (compute capability 8.9+) through ``torch._scaled_mm``; on the CPU both are exact
+    upcast GEMMs. ``device`` defaults to CUDA if present, else the CPU.
+    """
+    from ..common.recipe import Recipe        # (recipe.py imports nothing from here)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe_execution: recipe must be a transformer_engine.common.recipe."
+                        f"Recipe, got {type(recipe).__name__}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if recipe.mxfp8() or recipe.nvfp4():
+        name = "MXFP8" if recipe.mxfp8() else "NVFP4"
+        return "emulated", (f"{name} operands are dequantized to float32 and multiplied by a "
+                            f"float32 GEMM on {device.type} (no {name} tensor-core kernel is "
+                            "used)")
+    if device.type != "cuda":
+        return "emulated", "the CPU computes FP8 GEMMs by an exact float32 upcast GEMM"
+    if not is_fp8_available(device=device):
+        return "emulated", is_fp8_available(return_reason=True, device=device)[1]
+    if recipe.float8_block_scaling():
+        hopper = torch.cuda.get_device_capability(device) == (9, 0)
+        if hopper:
+            return "native", ("Hopper's block-scaled FP8 GEMM (torch._scaled_mm) where the "
+                              "shape fits, else the exact emulation")
+        return "emulated", "the block-scaled FP8 GEMM needs a Hopper GPU (SM 9.0)"
+    return "native", "FP8 tensor cores through torch._scaled_mm"

@@ -1,8 +1,8 @@
 """``transformer_engine.pytorch.quantization``: the module TE 2.9 moved its FP8
 autocast, model-init contexts, global state manager and support checks into (its
 ``fp8`` module stays, as here, under the old name). The names are this package's own
-(fp8.py, model_init.py); this module adds the support checks of the recipes it does
-not implement (MXFP8, NVFP4), the default-recipe alias and the recipe's FP8 dtypes.
+(fp8.py, model_init.py, fp8_support.py); this module adds the ``is_*_available``
+queries, the default-recipe alias and the recipe's FP8 dtypes.
 """
 
 from __future__ import annotations
@@ -15,29 +15,24 @@ from ..common.recipe import Format, Recipe
 from .fp8 import (FP8GlobalStateManager, autocast, check_fp8_block_scaling_support,
                   check_fp8_support, check_mxfp8_support, fp8_autocast, get_default_fp8_recipe,
                   is_fp8_available)
+from .fp8_support import check_nvfp4_support, recipe_execution
 from .model_init import fp8_model_init, quantized_model_init
 
 __all__ = ["autocast", "fp8_autocast", "quantized_model_init", "fp8_model_init",
            "FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available",
            "is_fp8_block_scaling_available", "is_nvfp4_available", "check_fp8_support",
            "check_mxfp8_support", "check_fp8_block_scaling_support", "check_nvfp4_support",
-           "get_default_fp8_recipe", "get_default_recipe", "get_fp8_torch_dtype", "get_fp8_max"]
+           "get_default_fp8_recipe", "get_default_recipe", "get_fp8_torch_dtype", "get_fp8_max",
+           "recipe_execution"]
 
 
 def _answer(check: Tuple[bool, str], return_reason: bool) -> Union[bool, Tuple[bool, str]]:
     return check if return_reason else check[0]
 
 
-def check_nvfp4_support() -> Tuple[bool, str]:
-    """``(False, reason)``: NVFP4 block scaling (``NVFP4BlockScaling``) is not
-    implemented by this package."""
-    return False, ("NVFP4 block scaling is not implemented: this pure-PyTorch Transformer "
-                   "Engine implements the DelayedScaling, Float8CurrentScaling and "
-                   "Float8BlockScaling recipes only")
-
-
 def is_mxfp8_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
-    """Whether ``MXFP8BlockScaling`` can run: never here (`check_mxfp8_support`).
+    """Whether ``MXFP8BlockScaling`` can run here (`check_mxfp8_support`): wherever
+    this package's FP8 runs, emulated (`recipe_execution`).
     With ``return_reason``, ``(available, reason)``."""
     return _answer(check_mxfp8_support(), return_reason)
 
@@ -50,7 +45,8 @@ def is_fp8_block_scaling_available(return_reason: bool = False
 
 
 def is_nvfp4_available(return_reason: bool = False) -> Union[bool, Tuple[bool, str]]:
-    """Whether ``NVFP4BlockScaling`` can run: never here (`check_nvfp4_support`).
+    """Whether ``NVFP4BlockScaling`` can run here (`check_nvfp4_support`): wherever
+    this package's FP8 runs, emulated (`recipe_execution`).
     With ``return_reason``, ``(available, reason)``."""
     return _answer(check_nvfp4_support(), return_reason)
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import block_scaling, quantize, torch_compile
+from .. import block_scaling, mx_scaling, nvfp4_scaling, quantize, torch_compile
 from ..amax_update import request_backward_update
 from ..fp8_shapes import Float8Data
 from ..tensor import QuantizedTensor
@@ -34,7 +34,8 @@ from .base import TransformerEngineBaseModule
 from .delayed_wgrad import accumulate_grad, deferred_linear
 from .devices import activation_dtype, no_autocast
 from .forward_plan import ForwardPlan
-from .fp8_operands import cast_operand, fp8_weight, forward_operands
+from .fp8_operands import (block_cast_for_role, blockwise_recipe, cast_operand, fp8_weight,
+                           forward_operands)
 from .main_grad import (accumulate_into_main_grad, check_main_grad, linear_into_main_grad,
                         main_grad_placeholder)
 
@@ -48,6 +49,8 @@ def _gemm(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
     """``a @ b^T`` (NOTE [GEMM vocabulary]) for per-tensor or block-scaled operands."""
     if isinstance(a, block_scaling.BlockScaledData):
         return block_scaling.block_gemm(a, b, out_dtype, bias)
+    if isinstance(a, (mx_scaling.MXFP8Data, nvfp4_scaling.NVFP4Data)):
+        return mx_scaling.mx_gemm(a, b, out_dtype, bias)
     return quantize.fp8_gemm_unchecked(a, b, out_dtype, bias=bias, use_fast_accum=fast_accum)
 
 
@@ -240,9 +243,9 @@ def _requantized_input(x: torch.Tensor, plan: ForwardPlan, dtype: torch.dtype):
     """The wgrad operand ``x_fp8^T`` cast again from the saved high-precision input
     (NOTE [Saving the original input]): the cast the forward would have made, no amax
     or non-finite count recorded a second time."""
-    if plan.recipe.float8_block_scaling():
-        return block_scaling.cast_for_role(plan.recipe, "fwd_inp", x, dtype, False, True,
-                                           count_non_finite=False)[1]
+    if blockwise_recipe(plan.recipe):
+        return block_cast_for_role(plan.recipe, "fwd_inp", x, dtype, False, True,
+                                   count_non_finite=False)[1]
     q = plan.recipe.fp8_quant_fwd_inp
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon, None,
                                          data=False, transpose=True)[1]
@@ -338,7 +341,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # the block-scaling emulation takes any shape (NOTE [Block scaling layout])
     if (x2d.shape[0] % quantize.FP8_HEIGHT_MULTIPLE or in_features % quantize.FP8_WIDTH_MULTIPLE
             or out_features % quantize.FP8_HEIGHT_MULTIPLE) \
-            and not plan.recipe.float8_block_scaling():
+            and not blockwise_recipe(plan.recipe):
         quantize.check_fp8_matrix(api, input_name, x.shape)
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
     if save_original_input and plan.delayed and torch.is_grad_enabled() \

@@ -41,13 +41,35 @@ from __future__ import annotations
 
 import torch
 
-from .. import block_scaling, quantize
+from .. import block_scaling, mx_scaling, nvfp4_scaling, quantize
 from ..non_finite import non_finite_counter
 from ..tensor import QuantizedTensor
 from .forward_plan import ForwardPlan
 from .fp8_params import weight_operands
 
-__all__ = ["cast_operand", "fp8_weight", "forward_operands"]
+__all__ = ["cast_operand", "fp8_weight", "forward_operands", "blockwise_recipe",
+           "block_cast_for_role"]
+
+
+def blockwise_recipe(recipe) -> bool:
+    """Whether ``recipe`` scales blocks (Float8BlockScaling, MXFP8, NVFP4): its casts
+    take any shape and its operands are `BlockScaledData`, `MXFP8Data` or `NVFP4Data`."""
+    return recipe.float8_block_scaling() or recipe.mxfp8() or recipe.nvfp4()
+
+
+def block_cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype,
+                        rowwise: bool, columnwise: bool, count_non_finite: bool = True,
+                        count_where=None):
+    """``(rowwise, columnwise)`` copies of ``x`` by a block-scaling ``recipe`` for the
+    tensors of ``role`` (block_scaling.py, mx_scaling.py, nvfp4_scaling.py)."""
+    if recipe.mxfp8():
+        return mx_scaling.cast_for_role(recipe, role, x, dtype, rowwise, columnwise,
+                                        count_non_finite, count_where)
+    if recipe.nvfp4():
+        return nvfp4_scaling.cast_for_role(recipe, role, x, rowwise, columnwise,
+                                           count_non_finite, count_where)
+    return block_scaling.cast_for_role(recipe, role, x, dtype, rowwise, columnwise,
+                                       count_where, count_non_finite)
 
 
 def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
@@ -66,9 +88,9 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
                                                  None if plan.traced else state)
     # a recompute counts no non-finite amax: its first forward did (NOTE [Non-finite amaxes])
     count = not plan.recomputing
-    if plan.recipe.float8_block_scaling():
-        return block_scaling.cast_for_role(plan.recipe, role, x, dtype, data, transpose,
-                                           count_non_finite=count)
+    if blockwise_recipe(plan.recipe):
+        return block_cast_for_role(plan.recipe, role, x, dtype, data, transpose,
+                                   count_non_finite=count)
     q = getattr(plan.recipe, "fp8_quant_" + role)
     return quantize.current_scaling_cast(x, dtype, q.power_2_scale, q.amax_epsilon,
                                          non_finite_counter(x.device, role == "bwd_grad")
@@ -115,7 +137,9 @@ def fp8_weight(weight: torch.Tensor, plan: ForwardPlan, fp8_meta: dict, state, i
         found = cached if plan.is_first_microbatch is False else None
         if found is None:
             recipe = plan.recipe
-            rowwise_blocks = recipe.float8_block_scaling() and recipe.w_block_scaling_dim == 1
+            # (a copy in 1-D blocks, or in FP4, cannot be transposed later: cast both)
+            rowwise_blocks = (recipe.float8_block_scaling() and recipe.w_block_scaling_dim == 1
+                              or recipe.mxfp8() or recipe.nvfp4())
             found = cast_operand(weight, plan, state, index, dtype, plan.record_amax,
                                  "fwd_weight", transpose=transpose or rowwise_blocks)
         found = _with_transpose(found, transpose)
@@ -130,8 +154,8 @@ def _with_transpose(w, transpose: bool):
     """``(w_fp8, w_fp8^T)`` with the transpose made from the FP8 data if it is missing
     (a cast made without one, e.g. under no_grad): the very same FP8 values."""
     if transpose and w[1] is None:
-        if isinstance(w[0], block_scaling.BlockScaledData):     # 128x128 blocks: the transpose
-            return w[0], w[0].t_contiguous()
+        if isinstance(w[0], (block_scaling.BlockScaledData, mx_scaling.MXFP8Data)):
+            return w[0], w[0].t_contiguous()        # 2-D tiles: the transpose
         return w[0], quantize.transpose_fp8(w[0])
     return w
 
@@ -141,11 +165,11 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
     """The cached cast, refreshed in place where the skip flag is 0 (NOTE [Skip-update
     flag]); the fresh cast's amax is recorded only there."""
     keep = plan.skip_weight_update.reshape(()).to(weight.device) != 0
-    if plan.recipe.float8_block_scaling():
+    if blockwise_recipe(plan.recipe):
         w, w_t = cached
-        fresh, fresh_t = block_scaling.cast_for_role(plan.recipe, "fwd_weight", weight, dtype,
-                                                     True, w_t is not None, count_where=~keep,
-                                                     count_non_finite=not plan.recomputing)
+        fresh, fresh_t = block_cast_for_role(plan.recipe, "fwd_weight", weight, dtype, True,
+                                             w_t is not None, count_where=~keep,
+                                             count_non_finite=not plan.recomputing)
         _keep_or_copy(keep, w, fresh)
         if w_t is not None:
             _keep_or_copy(keep, w_t, fresh_t)
@@ -178,5 +202,11 @@ def _keep_or_copy(keep: torch.Tensor, cached, fresh) -> None:
     that earlier micro-batches saved for backward, and keeping it changes nothing."""
     bits = cached.data.data.view(torch.uint8)
     bits.copy_(torch.where(keep, bits, fresh.data.view(torch.uint8)))
-    inv = cached.scale_inv.data
-    inv.copy_(torch.where(keep, inv, fresh.scale_inv))
+    for name in ("scale_inv", "global_scale_inv"):     # (the second: NVFP4 only)
+        if hasattr(cached, name):
+            kept = getattr(cached, name).data
+            if kept.dtype.itemsize == 1:
+                kept = kept.view(torch.uint8)
+                kept.copy_(torch.where(keep, kept, getattr(fresh, name).view(torch.uint8)))
+            else:
+                kept.copy_(torch.where(keep, kept, getattr(fresh, name)))

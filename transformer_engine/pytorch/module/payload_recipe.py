@@ -10,7 +10,7 @@ import dataclasses
 from typing import Optional
 
 from ...common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
-                               MMParams, QParams, Recipe)
+                               MMParams, MXFP8BlockScaling, NVFP4BlockScaling, QParams, Recipe)
 from ...common.recipe import GEMM_FIELDS, QUANT_FIELDS
 from .payload_values import InvalidPayload, Record, RecordSpec, describe
 
@@ -25,9 +25,17 @@ _RECIPE_FIELDS = {
                                  "amax_compute_algo", "reduce_amax", "fp8_dpa", "fp8_mha")),
     "Float8CurrentScaling": frozenset(("type",) + _STATELESS_FIELDS),
     "Float8BlockScaling": frozenset(("type",) + _STATELESS_FIELDS + _BLOCK_DIM_FIELDS),
+    "MXFP8BlockScaling": frozenset(("type", "margin", "fp8_format", "fp8_dpa", "fp8_mha",
+                                    "backward_override", "enable_2d_quantization")),
+    "NVFP4BlockScaling": frozenset(("type", "disable_rht", "disable_stochastic_rounding",
+                                    "disable_2d_quantization", "row_scaled_activation",
+                                    "nvfp4_4over6", "nvfp4_4over6_e4m3_use_256",
+                                    "nvfp4_4over6_err_mode", "fp4_format", "fp8_format",
+                                    "fp8_dpa", "fp8_mha", "backward_override")),
 }
 RECIPE_CLASSES = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling,
-                  "Float8BlockScaling": Float8BlockScaling}
+                  "Float8BlockScaling": Float8BlockScaling, "MXFP8BlockScaling": MXFP8BlockScaling,
+                  "NVFP4BlockScaling": NVFP4BlockScaling}
 _PARAMS_CLASSES = dict.fromkeys(QUANT_FIELDS, QParams) | dict.fromkeys(GEMM_FIELDS, MMParams)
 _STR_AMAX_ALGOS = ("max", "most_recent")
 
@@ -46,6 +54,10 @@ _TE_ONLY_FIELDS = {
     "DelayedScaling": {"interval": _ANY, "backward_override": None},
     "Float8CurrentScaling": {"use_power_2_scales": bool},
     "Float8BlockScaling": {"use_f32_scales": bool},
+    "MXFP8BlockScaling": {},
+    # TE sets the derived QParams on the instance; here they are derived properties
+    "NVFP4BlockScaling": {"fp4_quant_fwd_inp": _ANY, "fp4_quant_fwd_weight": _ANY,
+                          "fp4_quant_bwd_grad": _ANY},
     "QParams": {"random_hadamard_transform": False, "stochastic_rounding": False,
                 "fp4_2d_quantization": False},
     "MMParams": {},
@@ -173,6 +185,12 @@ def check_recipe(data) -> Optional[Recipe]:
         raise InvalidPayload(f"recipe: fp8_format must be one of {list(Format.__members__)}, "
                              f"got {describe(fmt)}")
     fields["fp8_format"] = Format[fmt]
+    if "fp4_format" in fields:
+        fp4 = fields["fp4_format"]
+        if not (isinstance(fp4, str) and fp4 in Format.__members__):
+            raise InvalidPayload(f"recipe: fp4_format must be one of "
+                                 f"{list(Format.__members__)}, got {describe(fp4)}")
+        fields["fp4_format"] = Format[fp4]
     # Only the named algorithms are data; a callable cannot come from a payload.
     algo = fields.get("amax_compute_algo", "max")
     if not (isinstance(algo, str) and algo in _STR_AMAX_ALGOS):
