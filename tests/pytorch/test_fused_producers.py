@@ -340,7 +340,8 @@ def test_activation_and_gradient_bits_on_a_wide_row(case):
     """The activations whose arithmetic NOTE [Same arithmetic] repeats (exp, tanh,
     contracted multiply-adds), on one row of 4096 more values than the case (the same
     compiled variant): the output and the float32 gradient (one row: the bias gradient
-    is the gradient itself) bit for bit torch's, over [-10, 10] and normal samples."""
+    is the gradient plus +0) bit for bit torch's, and the gradient's FP8 copies, signed
+    zeros included, over [-10, 10] and normal samples."""
     activation, hp, recipe, f = case
     gated = ACTIVATIONS[activation][1]
     width = f + 4096        # the row lengths and strides of the case, modulo 16
@@ -354,9 +355,74 @@ def test_activation_and_gradient_bits_on_a_wide_row(case):
     _assert_bits_equal(y, activate(x, activation), f"{what}: the activation")
     x_ref = x.clone().requires_grad_()
     activate(x_ref, activation).backward(dy)
-    _, _, _, dbias = _kernels()[2].dact_cast(x, dy, activation, E5M2, transpose=True,
-                                             dbias_dtype=F32, **_scaling(recipe))
-    _assert_bits_equal(dbias, x_ref.grad.view(-1), f"{what}: the gradient")
+    scaling = _scaling(recipe)
+    before = _copy(scaling)
+    q, q_t, scale_inv, dbias = _kernels()[2].dact_cast(x, dy, activation, E5M2, transpose=True,
+                                                       dbias_dtype=F32, **scaling)
+    # one row's bias gradient is the gradient added onto +0 (as torch's sum does: -0
+    # becomes +0); the FP8 copies keep the gradient's signed zeros
+    _assert_bits_equal(dbias, x_ref.grad.view(-1) + 0.0, f"{what}: the gradient")
+    _assert_copies(q, q_t, scale_inv, scaling,
+                   _reference_cast(x_ref.grad, recipe, E5M2, before), recipe, what)
+
+
+# Inputs where torch's gradients are signed zeros: x far below 0 (tanh is -1, exp(-x)
+# overflows: the derivative is exactly 0, the gradient a zero of dy's sign or the
+# opposite), x = +-0, and output gradients +-0. The input of a gated form's activation
+# is -0 only on a GPU: there relu(-0) is the max instruction in torch's kernel and in
+# Triton's; under the interpreter it is numpy's maximum (+0), while torch's CPU max
+# keeps -0.
+_ZERO_X = (-200.0, -20.0, -1.0, 0.0, 1.0, 20.0) + ((-0.0,) if DEVICE == "cuda" else ())
+_ZERO_DY = (1.0, -1.0, 0.0, -0.0)
+_ZERO_GATE = (1.0, -1.0, 0.0, -0.0)
+
+
+def _signed_zero_rows(f, gated):
+    """Rows of ``f`` (gated: ``2f``) inputs and their ``dy``: every pair of `_ZERO_X`
+    (non-gated: and -0) and `_ZERO_DY`, times every `_ZERO_GATE` value when gated, in
+    row-major order, the last row filled up by repeating them."""
+    xs = _ZERO_X + ((-0.0,) if not gated and -0.0 not in _ZERO_X else ())
+    gates = _ZERO_GATE if gated else (1.0,)
+    combos = [(a, d, b) for b in gates for a in xs for d in _ZERO_DY]
+    rows = -(-len(combos) // f)
+    a, dy, b = (torch.tensor([combos[i % len(combos)][k] for i in range(rows * f)]).view(rows, f)
+                for k in range(3))
+    x = torch.cat([a, b], dim=1) if gated else a
+    return x.to(DEVICE), dy.to(DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", [c for c in ACT_CASES if c.values[0][1] == F32])
+def test_gradient_signed_zeros_are_torchs(case):
+    """Where torch's float32 gradient is a signed zero (``dy * 0`` with ``dy``'s sign,
+    ``-dy * 0``, ``+-0 * f'(x)``, ``0 + -0``), the kernel's is the same zero: its FP8
+    copies (E5M2 keeps -0) are the reference cast's bit for bit there, and on a GPU
+    (under the interpreter, for the ReLU family) everywhere. For the ReLU family, whose
+    terms here are small integers (exact sums in any order), the bias gradient is
+    torch's column sum bit for bit, both adding onto +0. Each case's compiled variant."""
+    activation, hp, recipe, f = case
+    gated = ACTIVATIONS[activation][1]
+    x, dy = _signed_zero_rows(f, gated)
+    x_ref = x.clone().requires_grad_()
+    activate(x_ref, activation).backward(dy)
+    grad = x_ref.grad
+    zeros = grad == 0
+    assert bool((zeros & grad.signbit()).any()) and bool((zeros & ~grad.signbit()).any()), \
+        f"{activation}: the inputs must give torch gradients of both signed zeros"
+    scaling = _scaling(recipe)
+    before = _copy(scaling)
+    q, q_t, scale_inv, dbias = _kernels()[2].dact_cast(x, dy, activation, E5M2, transpose=True,
+                                                       dbias_dtype=hp, **scaling)
+    ref = _reference_cast(grad, recipe, E5M2, before)
+    what = f"{activation} gradient {recipe} {tuple(x.shape)}, signed zeros"
+    at = _bits(ref[0].data) & 0x7F == 0                 # the reference copy's zeros
+    assert bool(at[zeros].all()), f"{what}: the reference cast keeps torch's zeros"
+    _assert_bits_equal(q[at], ref[0].data[at], f"{what}: FP8 copy at torch's zeros")
+    _assert_bits_equal(q_t.t()[at], ref[0].data[at], f"{what}: transposed copy at the zeros")
+    if _exact(activation):
+        _assert_copies(q, q_t, scale_inv, scaling, ref, recipe, what)
+    if activation in EXACT_ANYWHERE:
+        _assert_bits_equal(dbias, grad.sum(0), f"{what}: bias gradient")
 
 
 def _assert_column_sum(dbias, terms, columns, what, hp, slack=None):
@@ -366,9 +432,10 @@ def _assert_column_sum(dbias, terms, columns, what, hp, slack=None):
     sum of m terms in any order lies within gamma(m - 1) * sum|terms| of the exact sum
     (gamma(k) = k u / (1 - k u), u the float32 unit roundoff: Higham, Accuracy and
     Stability of Numerical Algorithms, 4.2), and the rounding to ``hp`` adds at most
-    ``u_hp`` of the result (or half an ``hp`` subnormal step). One row: no addition, the
-    bias gradient is the gradient itself, bit for bit. ``slack = (relative, absolute)``
-    widens it where the terms differ (the interpreter's exp and tanh)."""
+    ``u_hp`` of the result (or half an ``hp`` subnormal step). One row: the bias gradient
+    is the gradient plus +0 (a sum starts at +0, as torch's does), bit for bit.
+    ``slack = (relative, absolute)`` widens it where the terms differ (the interpreter's
+    exp and tanh)."""
     m = terms.shape[0]
     exact = terms.double().sum(0)
     magnitude = terms.double().abs().sum(0)

@@ -5,6 +5,7 @@ gradients' ownership (``clone_param_grads_on_return``, ``skip_backward_post_hook
 ``capture_time_hooks`` and the warm-up hooks, the default ``_order``, and TE's
 ``reset()``. The host-read check runs on the CPU; the rest needs a CUDA GPU."""
 
+import contextlib
 import copy
 
 import pytest
@@ -12,7 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_engine.pytorch as te
+from transformer_engine.pytorch import graph as te_graph
 from transformer_engine.pytorch.attention.masks import build_core_mask
+from transformer_engine.pytorch.graph_args import normalize
+from transformer_engine.pytorch.utils import flatten_nested
 from helpers import cuda_fp8
 
 _aten = torch.ops.aten
@@ -79,6 +83,120 @@ def test_every_built_mask_reads_nothing_back(mask_type, window):
     assert reads.found == []
 
 
+# ---- the replay's input binding (CPU) -----------------------------------------------------
+
+class _RerunGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay reruns the captured work,
+    reading the static input tensors and writing the static output tensors in place,
+    which is what replaying a graph does with the memory it captured."""
+
+    def __init__(self):
+        self.rerun = None
+
+    def replay(self):
+        self.rerun()
+
+    def reset(self):
+        self.rerun = None
+
+
+class _RerunRng:
+    """`graph_rng.GraphRng`'s interface for the stand-in graphs (nothing random)."""
+
+    def __init__(self):
+        self.segments = [_RerunGraph()]
+
+    @contextlib.contextmanager
+    def capture_forward(self):
+        yield
+
+    @contextlib.contextmanager
+    def capture_backward(self, graph_):
+        yield
+
+    def replay_forward(self):
+        self.segments[0].replay()
+        return []
+
+    def prepare_backward(self, states):
+        pass
+
+
+def _graphed_on_cpu(monkeypatch, modules, sample_args, sample_kwargs=None):
+    """The first callable of ``make_graphed_callables(modules, sample_args, ...)`` as
+    its `_GraphedCallable` (argument handling, captures, replay Function), with the
+    CUDA graphs replaced by `_RerunGraph`."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RerunGraph)
+    _, callables, args, kwargs = normalize(modules, sample_args, sample_kwargs)
+    rng = _RerunRng()
+    g = te_graph._GraphedCallable(callables[0], args[0], kwargs[0],
+                                  te_graph._FP8Setting(False, False, None, None), rng)
+    g.capture_forward()
+    g.capture_backward(False, False)
+
+    def forward():
+        with torch.no_grad():
+            leaves, _ = flatten_nested(g.run_forward())
+        for static, fresh in zip(g.static_outputs, leaves):
+            static.copy_(fresh)
+
+    def backward():
+        with torch.enable_grad():
+            leaves, _ = flatten_nested(g.run_forward())
+            grads = te_graph.graph_backward(leaves, g.grad_inputs, g.static_grad_outputs,
+                                            False, False)
+        for static, fresh in zip(g.static_grad_inputs, grads):
+            if static is not None:
+                static.copy_(fresh)
+    rng.segments[0].rerun, g.bwd_graph.rerun = forward, backward
+    return g
+
+
+def _qkv(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 2, 2, 8, generator=gen, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "tuple-of-lists", "kwargs"])
+def test_replay_binds_each_new_input_to_its_static_buffer(form, monkeypatch):
+    """A graphed DotProductAttention, its CUDA graphs replaced by reruns of the capture
+    from the static buffers: with ``sample_args`` a list of q, k, v (TE's test), a
+    tuple, one list per callable in a tuple, and an attention mask in
+    ``sample_kwargs``, each call's tensors are bound to their own static inputs, so
+    three calls' outputs and input gradients equal eager ones bit for bit. Every call
+    returns the same static output tensor, which the next call overwrites: a step's
+    output outlives the next call only as a copy."""
+    mask_type = "arbitrary" if form == "kwargs" else "causal"
+    model = te.DotProductAttention(2, 8, attention_dropout=0.0, attn_mask_type=mask_type)
+    samples = [torch.ones(16, 2, 2, 8, requires_grad=True) for _ in range(3)]
+    modules, sample_args, sample_kwargs = {
+        "list": (model, samples, None), "tuple": (model, tuple(samples), None),
+        "tuple-of-lists": ((model,), (samples,), None),
+        "kwargs": (model, samples, {"attention_mask": torch.zeros(2, 1, 16, 16, dtype=torch.bool)}),
+    }[form]
+    graphed = _graphed_on_cpu(monkeypatch, modules, sample_args, sample_kwargs)
+    assert all(a is b for a, b in zip(graphed.static_inputs, samples))
+    results, returned = [], []
+    for run in (model, graphed):
+        got = []
+        for step in range(3):
+            inputs = _qkv(step)
+            kwargs = ({"attention_mask": torch.rand(2, 1, 16, 16,
+                                                    generator=torch.Generator().manual_seed(step))
+                       > 0.5} if form == "kwargs" else {})
+            out = run(*inputs, **kwargs)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
+            got += [out.detach().clone()] + [t.grad for t in inputs]
+            if run is graphed:
+                returned.append(out)
+        results.append(got)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"result {i} (step {i // 4}, {'out q k v'.split()[i % 4]})"
+    assert len({t.data_ptr() for t in returned}) == 1
+    assert all(torch.equal(t, results[1][8]) for t in returned)    # all hold the last output
+    assert not torch.equal(results[1][0], results[1][8])
+
+
 # ---- on the GPU ----------------------------------------------------------------------------
 
 def _dpa_inputs(dtype, warmup=False, seed=0):
@@ -93,19 +211,23 @@ def _dpa_inputs(dtype, warmup=False, seed=0):
                          ids=["fp32", "bf16", "fp16"])
 def test_dot_product_attention_graphed_from_list_sample_args(dtype):
     """``sample_args`` as a list of the three tensors q, k, v (as TE's test passes
-    them): the graphed attention's outputs and input gradients equal eager ones."""
+    them): the graphed attention's outputs and input gradients equal eager ones at
+    every step. A graphed output is the graph's static buffer (the same tensor at every
+    call, as TE's), so each step's is kept as a copy."""
     results = []
     for graph in (False, True):
         model = te.DotProductAttention(2, 32, attention_dropout=0.0)
         if graph:
             model = te.make_graphed_callables(model, _dpa_inputs(dtype, warmup=True),
                                               num_warmup_iters=3)
-        got = []
+        got, addresses = [], set()
         for step in range(3):
             inputs = _dpa_inputs(dtype, seed=step)
             out = model(*inputs)
             out.backward(torch.ones_like(out))
-            got += [out.detach()] + [t.grad for t in inputs]
+            addresses.add(out.data_ptr())
+            got += [out.detach().clone()] + [t.grad for t in inputs]
+        assert len(addresses) == 1 or not graph      # one static output buffer
         if graph:
             model.reset()
         results.append(got)

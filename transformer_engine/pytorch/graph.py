@@ -43,6 +43,11 @@ NOTE [Returned parameter gradients]
     itself: a hook sees the same tensor at every replay. Autograd still copies such a
     buffer into an empty ``.grad`` (the graph holds a reference to it, so it is not
     adopted) and adds it to an existing one. Inputs' gradients are the buffers.
+    The outputs are the graph's static output buffers too, as TE's and torch's
+    graphed callables return them: every call returns the same tensors, which the
+    next call overwrites, so an output kept past the next call must be copied
+    (``out.detach().clone()``). Each call copies its input tensors, by position and
+    then by keyword, into the static inputs the graphs read.
 """
 
 from __future__ import annotations
@@ -301,8 +306,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
     -------
     The graphed callable, or a tuple of them in the order given. A graphed module
     keeps its parameters; its ``forward`` replays the graphs in training mode with
-    grad enabled, and runs eagerly otherwise. Each has TE's ``reset()`` (free its
-    graphs) and ``backward_dw()`` (nothing to run here).
+    grad enabled, and runs eagerly otherwise. A replay's outputs are the graph's
+    static buffers, overwritten by the next call (NOTE [Returned parameter
+    gradients]). Each has TE's ``reset()`` (free its graphs) and ``backward_dw()``
+    (nothing to run here).
     """
     enabled = resolve("enabled", enabled, "fp8_enabled", fp8_enabled, False)
     calibrating = resolve("calibrating", calibrating, "fp8_calibrating", fp8_calibrating, False)

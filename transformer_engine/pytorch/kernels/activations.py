@@ -16,6 +16,10 @@ NOTE [Same arithmetic]
     else. With the same float32 value before the last rounding to the output dtype, the
     fused output equals torch's bit for bit, and so does its FP8 cast
     (tests/pytorch/test_fused_producers.py checks every activation and dtype on a GPU).
+    That includes signed zeros: with the same operations in the same order, IEEE
+    rules give the same zero (``dy * +0`` has ``dy``'s sign; ``+0 + -0``, also inside
+    an FMA, is +0; ``threshold_backward`` writes +0), checked on the CPU too through
+    the gradients' FP8 copies, which keep -0.
     The gradients follow torch's autograd: a gated ``f(a) * b`` gives ``db = g * f(a)``
     and ``da = f'(a; g * b)``; the grad of ``x * sigmoid(1.702 x)`` sums its two paths
     with one float32 addition. Under the Triton interpreter ``exp`` and ``tanh`` are

@@ -144,7 +144,9 @@ def dact_cast(x: torch.Tensor, dy: torch.Tensor, activation: str, dtype: torch.d
     gated; both 2-D with unit column stride), in ``x.dtype``, cast to FP8 ``dtype``.
     Returns ``(q [M, W] or None, q_t [W, M] or None, scale_inv [1], dbias [W] or None)``;
     ``dbias`` (with ``dbias_dtype``) is ``dx``'s column sum, accumulated in float32
-    and rounded once. Scaling arguments as `act_cast.act_cast`."""
+    and rounded once; like torch's sum it adds onto +0 (masked rows add +0), so a
+    column whose every gradient is -0 sums to +0, and one row's is ``dx + 0.0``.
+    Scaling arguments as `act_cast.act_cast`."""
     code, gated = activation_code(activation)
     m, w = x.shape
     f = w // 2 if gated else w
