@@ -106,8 +106,11 @@ def _scaling(plan: ForwardPlan, state, index: int, role: str, record: bool, devi
         return {"scale": state.scale, "index": index,
                 "amax_history": state.amax_history if record else None}
     q = getattr(plan.recipe, "fp8_quant_" + role)
+    # non-finite amaxes count once: not in a recompute's forward (its phase 1 counted),
+    # nor in a backward a recompute replays (NOTE [Non-finite amaxes])
+    counted = record if role == "bwd_grad" else not plan.recomputing
     return {"power_2_scale": q.power_2_scale, "amax_epsilon": q.amax_epsilon,
-            "non_finite": non_finite_counter(device)}
+            "non_finite": non_finite_counter(device) if counted else None}
 
 
 def _fp8_pair(q, q_t, scale_inv) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
@@ -278,11 +281,13 @@ class ActCast(torch.autograd.Function):
         if dy2d.stride(1) != 1:
             dy2d = dy2d.contiguous()
         need_dgrad, need_wgrad, bias_dtype = call.handoff.needs
-        state = call.fp8_meta["scaling_bwd"] if plan.delayed else None
+        # NOTE [Backward inside a checkpointed function] in recompute.py
+        state, record = plan.backward_state(
+            call.fp8_meta["scaling_bwd"] if plan.delayed else None, call.bwd_index)
         q, q_t, scale_inv, dbias = _kernels[2].dact_cast(
             x2d, dy2d, call.activation, plan.recipe.fp8_format.value.dtype_bwd,
             data=need_dgrad or not need_wgrad, transpose=need_wgrad, dbias_dtype=bias_dtype,
-            **_scaling(plan, state, call.bwd_index, "bwd_grad", True, x2d.device))
+            **_scaling(plan, state, call.bwd_index, "bwd_grad", record, x2d.device))
         call.handoff.grad = (*_fp8_pair(q, q_t, scale_inv), dbias)
         return unwritten(ctx.shape, x2d.dtype, x2d.device), None
 
