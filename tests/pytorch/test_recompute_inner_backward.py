@@ -255,3 +255,56 @@ def test_a_recompute_whose_inner_backward_differs_is_refused(use_reentrant):
     with pytest.raises(RuntimeError, match="that the first forward did not run"):
         y.sum().backward()
     del y
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_only_a_backward_inside_phase_1_keeps_a_backward_state(use_reentrant):
+    """The inner backward of phase 1 keeps one backward state (three tensors) in the
+    stash of the call it went through; the outer backward, which runs after phase 1,
+    keeps none, however often a retained graph is backpropagated."""
+    torch.manual_seed(0)
+    inner, outer = te.Linear(32, 32), te.Linear(32, 32)
+
+    def fn(x):
+        with te.autocast(recipe=DELAYED):
+            h = inner(x)
+            (g,) = torch.autograd.grad(h.square().sum(), x, create_graph=True)
+            return outer(h) + g
+
+    x = torch.randn(16, 32, requires_grad=True)
+    y = te.checkpoint(fn, x, use_reentrant=use_reentrant)
+    assert stash_count() == 3 * (2 + 1)     # two forward stashes, one backward state
+    for _ in range(2):
+        y.float().pow(2).mean().backward(retain_graph=True)
+        assert stash_count() == 3 * (2 + 1)
+    del y
+    assert stash_count() == 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES[1:])
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_a_non_finite_outer_gradient_through_recomputed_calls_is_counted(use_reentrant, recipe):
+    """The real backward of recomputed calls (the reentrant mode's runs on the
+    recompute's graph) counts a non-finite output gradient at its cast, as the plain
+    run does; only a backward the recompute runs again counts nothing."""
+    counts = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        lin = te.Linear(32, 32)
+
+        def fn(x):
+            with te.autocast(recipe=recipe):
+                return lin(x)
+
+        FP8GlobalStateManager.reset_non_finite_amax_count()
+        x = torch.randn(16, 32, requires_grad=True)
+        y = te.checkpoint(fn, x, use_reentrant=use_reentrant) if checkpointed else fn(x)
+        dy = torch.ones_like(y)
+        dy[0, 0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            y.backward(dy)
+        counts.append(FP8GlobalStateManager.get_non_finite_amax_count())
+        FP8GlobalStateManager.reset_non_finite_amax_count()
+    assert counts[0] > 0
+    assert counts[0] == counts[1]
