@@ -379,12 +379,20 @@ MUTANTS = [
            "dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, record,",
            "dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True,",
            "a replayed inner backward records its gradient amax again",
-           (INNER, INV)),
+           (INNER, INV),
+           equivalent="the replay casts with a snapshot whose state the update asked for by "
+                      "phase 1's inner backward has already copied, so the amax goes into a "
+                      "copy that nothing reads (only its scale is)"),
     Mutant("M55", PT + "module/fp8_linear.py",
            "transpose=need_wgrad, count=record)",
            "transpose=need_wgrad)",
            "backward casts count non-finite amaxes as forward ones: replays count, reentrant "
            "backwards of recomputed calls do not",
+           (INNER, NONFIN)),
+    Mutant("M60", PT + "module/fp8_linear.py",
+           "transpose=need_wgrad, count=record)",
+           "transpose=need_wgrad, count=True)",
+           "a replayed inner backward counts its non-finite amaxes again (current, block)",
            (INNER, NONFIN)),
     Mutant("M56", PT + "module/fp8_linear.py",
            "            if not plan.replaying():\n                request_backward_update",

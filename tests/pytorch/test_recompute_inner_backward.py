@@ -46,9 +46,9 @@ def _penalty_grad(m, x, h, create_graph):
 
 def _grad_twice(m, x, h):
     """Two inner backwards through the same calls; the backward update of the first
-    runs before the second casts."""
+    runs before the second casts (with the new scale)."""
     (g1,) = torch.autograd.grad(h.square().sum(), x, retain_graph=True)
-    (g2,) = torch.autograd.grad((h * 3.0).sum(), x, create_graph=True)
+    (g2,) = torch.autograd.grad(h.pow(3).sum(), x, create_graph=True)
     return g1 + g2
 
 
@@ -78,9 +78,9 @@ def _inner_backward(variant, m, x, h, use_reentrant):
 
 
 def _rest(variant, m, h, extra):
-    if variant in ("separate_backward", "nested_backward"):
-        return m.outer(h + extra)
-    return m.outer(h) + extra
+    # (the outer module saves its input for backward: the values the inner backward
+    # computed in the recompute reach the gradients)
+    return m.outer(h + extra)
 
 
 def make_function(variant, placement, recipe, model, use_reentrant, calls):
