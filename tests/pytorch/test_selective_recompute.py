@@ -26,8 +26,9 @@ CASES = [pytest.param(False, False, id="fp8_off"), pytest.param(True, False, id=
 
 @contextlib.contextmanager
 def deterministic_kernels(device):
-    """On CUDA, kernels that have a deterministic variant use it (SDPA's backward
-    accumulates dQ with atomics otherwise), as a bit-for-bit comparison needs."""
+    """On CUDA, kernels that have a deterministic variant use it (an attention
+    backward that accumulates with atomics would make even two runs without recompute
+    differ), as a bit-for-bit comparison needs."""
     if device != "cuda":
         yield
         return
