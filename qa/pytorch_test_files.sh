@@ -43,6 +43,8 @@ TESTS=(
     tests/pytorch/test_recompute_edges.py
     tests/pytorch/test_recompute_hooks.py
     tests/pytorch/test_recompute_invariance.py
+    tests/pytorch/test_recompute_inner_backward.py
+    tests/pytorch/test_selective_recompute.py
     tests/pytorch/test_module_copies.py
     tests/pytorch/test_graph.py
     tests/pytorch/test_graph_api.py

@@ -54,6 +54,7 @@ NONFIN = T + "test_non_finite_amax.py"
 BWD = T + "test_backward_update.py"
 API = T + "test_checkpoint_api.py"
 SAVED = T + "test_checkpoint_saved_tensors.py"
+INNER = T + "test_recompute_inner_backward.py"
 CORE = (HOOKS, INV, ACT)
 
 
@@ -256,9 +257,9 @@ MUTANTS = [
            CORE + (EDGES,)),
 
     Mutant("M44", PT + "module/fp8_linear.py",
-           "        if plan.session is not None:\n            request_backward_update(plan.session)",
+           "        if plan.session is not None:\n            if not plan.replaying():\n",
            "        if plan.session is not None and need_wgrad:\n"
-           "            request_backward_update(plan.session)",
+           "            if not plan.replaying():\n",
            "a layer with frozen weights asks for no backward update",
            (INV, BWD)),
 
@@ -325,6 +326,94 @@ MUTANTS = [
            "with recompute.enter(frame, recomputing=False, training_under_no_grad=False):",
            "a client checkpoint's first forward (under no_grad) records no amax",
            (API, HOOKS)),
+
+    # ---- a backward inside the checkpointed function (NOTE [Backward inside a ...]) ------
+    Mutant("M45", PT + "recompute.py",
+           "    if recomputing:\n        flags.replaying = True\n",
+           "    if recomputing:\n        pass\n",
+           "a recompute is never seen as running: its inner backward records and updates again",
+           (INNER, INV)),
+    Mutant("M46", PT + "recompute.py",
+           "        flags.recording = True\n        _acquire_mode_hook()",
+           "        _acquire_mode_hook()",
+           "a phase-1 inner backward keeps no backward state for the recompute to cast with",
+           (INNER, INV)),
+    Mutant("M47", PT + "recompute.py",
+           "    for frame, recomputing in _THREAD.position.frames:\n        if recomputing:\n"
+           "            return frame.flags",
+           "    for frame, recomputing in reversed(_THREAD.position.frames):\n"
+           "        if recomputing:\n            return frame.flags",
+           "a call made in a recompute nested in another is replayed only while the inner one runs",
+           (INNER, INV)),
+    Mutant("M48", PT + "fp8.py",
+           "                               recompute.recording_flags(), {})",
+           "                               (), {})",
+           "a stash names no phase-1 run, so no inner backward keeps its backward state",
+           (INNER, INV)),
+    Mutant("M49", PT + "module/base.py",
+           "            plan.replay = recompute.replay_flags()\n",
+           "",
+           "a recomputed call never knows its backward is part of the recompute",
+           (INNER, INV)),
+    Mutant("M50", PT + "module/forward_plan.py",
+           "        return self.replay is not None and self.replay.replaying\n",
+           "        return self.replay is not None\n",
+           "the backward after a reentrant recompute is taken for a replayed one",
+           (INNER, INV)),
+    Mutant("M51", PT + "module/forward_plan.py",
+           "        return kept[done].state, False\n",
+           "        return live, False\n",
+           "a replayed inner backward casts with the live backward scale, not phase 1's",
+           (INNER, INV)),
+    Mutant("M52", PT + "module/forward_plan.py",
+           "        taken[slot] = done + 1\n",
+           "        taken[slot] = done\n",
+           "a second inner backward through a call replays the first one's backward state",
+           (INNER, INV)),
+    Mutant("M53", PT + "module/forward_plan.py",
+           "and any(flags.recording for flags in stash.owners)):",
+           "and stash.owners):",
+           "every backward of a stashed call keeps a backward state, also after phase 1",
+           (INNER, INV)),
+    Mutant("M54", PT + "module/fp8_linear.py",
+           "dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, record,",
+           "dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True,",
+           "a replayed inner backward records its gradient amax again",
+           (INNER, INV),
+           equivalent="the replay casts with a snapshot whose state the update asked for by "
+                      "phase 1's inner backward has already copied, so the amax goes into a "
+                      "copy that nothing reads (only its scale is)"),
+    Mutant("M55", PT + "module/fp8_linear.py",
+           "transpose=need_wgrad, count=record)",
+           "transpose=need_wgrad)",
+           "backward casts count non-finite amaxes as forward ones: replays count, reentrant "
+           "backwards of recomputed calls do not",
+           (INNER, NONFIN)),
+    Mutant("M60", PT + "module/fp8_linear.py",
+           "transpose=need_wgrad, count=record)",
+           "transpose=need_wgrad, count=True)",
+           "a replayed inner backward counts its non-finite amaxes again (current, block)",
+           (INNER, NONFIN)),
+    Mutant("M56", PT + "module/fp8_linear.py",
+           "            if not plan.replaying():\n                request_backward_update",
+           "            if True:\n                request_backward_update",
+           "a replayed inner backward asks for a backward update again",
+           (INNER, INV)),
+    Mutant("M57", PT + "checkpoint_modes.py",
+           "    state.held = {}\n",
+           "",
+           "a non-reentrant phase 1 keeps nothing for a backward inside the function",
+           (INNER, SAVED)),
+    Mutant("M58", PT + "checkpoint_modes.py",
+           "            return self.held[position]\n",
+           "            return self.held.pop(position)\n",
+           "a phase-1 saved tensor serves one inner backward only",
+           (INNER, SAVED)),
+    Mutant("M59", PT + "checkpoint_modes.py",
+           "            return recomputed[position]\n",
+           "            return recomputed.pop(position)\n",
+           "an inner backward in the recompute takes the tensors the outer backward needs",
+           (INNER, SAVED)),
 ]
 
 

@@ -322,12 +322,11 @@ def test_autograd_grad_inside_an_enclosing_reentrant_first_forward(monkeypatch):
     scale moved. The outer call holds only its own two stashes, and its recompute
     casts each call with the scale that call's first forward used.
 
-    A backward pass run inside the function runs again in the recompute, with the
-    backward scales in force then (they are not stashed), recording its amaxes again.
-    So the test keeps that out of the comparison: the gradient is only logged (its
-    norm), and a history of one with "most_recent" makes the second backward update
-    give the state the first gave."""
-    recipe = DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent")
+    The backward pass inside the function runs again in the recompute, with the
+    backward state its first run cast with and recording nothing (NOTE [Backward inside
+    a checkpointed function]): that first run kept one backward state in the stash of
+    the call it went through."""
+    recipe = DelayedScaling(amax_history_len=4)
 
     def run(checkpointed):
         torch.manual_seed(0)
@@ -372,7 +371,8 @@ def test_autograd_grad_inside_an_enclosing_reentrant_first_forward(monkeypatch):
 
     ref, _, _, _ = run(False)
     got, count, stashed, swapped = run(True)
-    assert count == 2 * 3                # two stashes of scale, scale_inv and history
+    # two stashes of scale, scale_inv and history, and one backward state
+    assert count == 3 * 3
     # Phase 1 stashes the inner call and the reuse (the inner recompute in between
     # swaps the first in). The outer recompute swaps in the inner call's, the inner
     # recompute's (the same scale) and the reuse's; the final backward, through the

@@ -19,7 +19,8 @@ NOTE [Delayed-scaling update order]
     are collected and handed to the enclosing pass (`collect_backward_updates`), so
     the update runs at the end of the same pass as without checkpointing.
     The activation recompute records nothing and updates nothing (NOTE [Recompute
-    stashes] in recompute.py).
+    stashes] in recompute.py), nor does a backward it runs inside the checkpointed
+    function (NOTE [Backward inside a checkpointed function]).
 """
 
 from __future__ import annotations

@@ -245,10 +245,14 @@ class _SavedInputs(torch.autograd.Function):
 
 
 class _NonReentrantCheckpoint:
-    """One non-reentrant checkpoint call: saved-tensor hooks that keep no activation in
-    phase 1 (each saved tensor is packed as its position) and, at the first unpack of
-    a backward pass, recompute the whole function and hand the recomputed tensors out
-    by position, each exactly once (so a retained graph's next pass recomputes again).
+    """One non-reentrant checkpoint call: saved-tensor hooks that keep no activation
+    once phase 1 returns (each saved tensor is packed as its position) and, at the
+    first unpack of a backward pass, recompute the whole function and hand the
+    recomputed tensors out by position, each exactly once (so a retained graph's next
+    pass recomputes again). A backward inside the function (NOTE [Backward inside a
+    checkpointed function] in recompute.py) reads what it saved: in phase 1 the saved
+    tensors are held until the function returns (the peak of phase 1 is that of the
+    recompute, as in reentrant mode), in the recompute the recomputed ones.
 
     The hooks are bound methods of this object, so the phase-1 graph owns it; it holds
     no tensor of that graph (arguments sit on a `_SavedInputs` node, recomputed
@@ -256,7 +260,7 @@ class _NonReentrantCheckpoint:
     """
 
     __slots__ = ("call", "keys", "non_tensors", "tensor_positions", "inputs_holder",
-                 "saved_count", "metadata", "recomputed", "__weakref__")
+                 "saved_count", "metadata", "recomputed", "held", "__weakref__")
 
     def __init__(self, call: _CheckpointCall, keys: tuple, flat: tuple, check_metadata: bool):
         self.call, self.keys = call, keys
@@ -270,15 +274,21 @@ class _NonReentrantCheckpoint:
                                                 *(flat[i] for i in self.tensor_positions))
         self.saved_count = 0
         self.recomputed: dict = {}
+        # what phase 1 saved, while it runs (None outside it)
+        self.held: Optional[dict] = None
 
     def pack_phase1(self, tensor: torch.Tensor) -> int:
         position = self.saved_count
         self.saved_count = position + 1
         if self.metadata is not None:
             self.metadata.append((tensor.shape, tensor.dtype, tensor.device))
+        if self.held is not None:
+            self.held[position] = tensor.detach()
         return position
 
     def unpack(self, position: int) -> torch.Tensor:
+        if self.held is not None:       # a backward inside the function, in phase 1
+            return self.held[position]
         tensor = self.recomputed.pop(position, None)
         if tensor is None:
             self._recompute()
@@ -293,11 +303,17 @@ class _NonReentrantCheckpoint:
         args, kwargs = _unflatten(tuple(flat), self.keys)
         recomputed: dict = {}
 
-        def pack(tensor: torch.Tensor) -> None:
-            recomputed[len(recomputed)] = tensor.detach()
+        def pack(tensor: torch.Tensor) -> int:
+            position = len(recomputed)
+            recomputed[position] = tensor.detach()
+            return position
+
+        def unpack(position: int) -> torch.Tensor:
+            # a backward inside the function, run again by the recompute
+            return recomputed[position]
 
         with (self.call.recompute(), torch.enable_grad(),
-              torch.autograd.graph.saved_tensors_hooks(pack, _unpack_in_recompute)):
+              torch.autograd.graph.saved_tensors_hooks(pack, unpack)):
             self.call.function(*args, **kwargs)
         if len(recomputed) != self.saved_count:
             raise RecomputeStateError(
@@ -317,11 +333,6 @@ class _NonReentrantCheckpoint:
         self.recomputed = recomputed
 
 
-def _unpack_in_recompute(_packed) -> torch.Tensor:
-    raise RuntimeError("te.checkpoint: a saved tensor of the recompute's own graph was "
-                       "used; the recompute graph exists only to produce saved tensors")
-
-
 def non_reentrant_checkpoint(function, tracker, context_fn, check_metadata, args, kwargs):
     """Phase 1 under saved-tensor hooks that keep nothing; the recompute at the first
     unpack in backward (`_NonReentrantCheckpoint`). Works with ``torch.autograd.grad``
@@ -332,9 +343,13 @@ def non_reentrant_checkpoint(function, tracker, context_fn, check_metadata, args
             return function(*args, **kwargs)
     keys, flat = _flatten(args, kwargs)
     state = _NonReentrantCheckpoint(call, keys, flat, check_metadata)
-    with call.phase1(reentrant=False), torch.autograd.graph.saved_tensors_hooks(
-            state.pack_phase1, state.unpack):
-        outputs = function(*args, **kwargs)
+    state.held = {}
+    try:
+        with call.phase1(reentrant=False), torch.autograd.graph.saved_tensors_hooks(
+                state.pack_phase1, state.unpack):
+            outputs = function(*args, **kwargs)
+    finally:
+        state.held = None
     leaves, _ = flatten_nested(outputs)
     if not any(torch.is_tensor(t) and t.requires_grad for t in leaves):
         raise _no_grad_output_error()

@@ -255,7 +255,8 @@ class FP8GlobalStateManager:
             return
         training = cls.is_fp8_enabled() and recompute.is_training_forward()
         entry = RecomputeStash(ScalingSnapshot(fp8_meta["scaling_fwd"]),
-                               cls.current_session() if training else None, {})
+                               cls.current_session() if training else None, {},
+                               recompute.recording_flags(), {})
         position = recompute.stash(fp8_meta, entry)
         if position is not None:                # (None: no checkpoint call is recording)
             fp8_meta[RECOMPUTE_POSITION_KEY] = position

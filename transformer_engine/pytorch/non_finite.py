@@ -7,7 +7,9 @@ NOTE [Non-finite amaxes]
     slot enters the history as 0 (no observation), and the event is counted per
     device (`non_finite_amax_count`). The next finite amax updates as usual. Current
     and block scaling count non-finite amaxes at the cast (its cast then uses scale 1);
-    an activation recompute's casts count nothing (the first forward did). The
+    an activation recompute's casts count nothing (the first forward did), nor do
+    those of a backward it runs again (NOTE [Backward inside a checkpointed function]
+    in recompute.py). The
     counters are device tensors, so counting needs no host synchronization; the
     warning (once, again after `reset_non_finite_amax_count`) is checked after each
     update, not on the cast path, over the updating thread's own counters (a thread

@@ -32,6 +32,24 @@ NOTE [Recompute stashes]
     Invariance assumes ``fn`` runs the same FP8 modules in both phases (it must not
     branch on the recompute phase or on live scales).
 
+NOTE [Backward inside a checkpointed function]
+    ``fn`` may itself run a backward (``torch.autograd.grad`` for a gradient penalty,
+    an inner ``.backward()``, a nested checkpoint's recompute). Phase 1 runs it as a
+    plain call would: it casts with the live backward scales, records its gradient
+    amaxes, asks for its backward update and counts non-finite amaxes. The recompute
+    runs it again; that second run is suppressed, not replayed: it records no amax,
+    asks for no update and counts nothing, and it casts with the backward scale that
+    the same backward of phase 1 used. So each phase-1 backward of a delayed-scaling
+    call that runs while a phase 1 holding the call's stash is still running (the
+    stash's ``owners`` say which; `PhaseFlags.recording`) appends a snapshot of the
+    live backward state to ``stash.backward[slot]``, and the recompute's backward of
+    that call takes them back in order (the call's `ForwardPlan` counts). A backward
+    counts as inside the recompute while the outermost recompute running when its
+    module call was made is still running (`replay_flags`, `PhaseFlags.replaying`):
+    flags, not the thread's position, because autograd runs CUDA backwards in threads
+    of its own. The backward after the recompute (reentrant mode's, of the same
+    recomputed calls) is the real one and records as usual.
+
 NOTE [Module modes]
     The recompute runs every module in the train/eval mode it had in phase 1: a model
     switched to ``eval()`` between forward and backward still recomputes its dropout
@@ -58,23 +76,42 @@ import torch
 from .scaling import ScalingSnapshot, ScalingState
 
 __all__ = ["RecomputeStateError", "RecomputeStash", "RecomputeFrame", "RecomputePosition",
-           "position", "enter", "in_region", "in_phase", "is_training_forward", "stash", "take",
-           "stash_tensor_count", "live_frames", "mode_hook_users", "reset_position"]
+           "PhaseFlags", "position", "enter", "in_region", "in_phase", "is_training_forward",
+           "stash", "take", "recording_flags", "replay_flags", "stash_tensor_count",
+           "live_frames", "mode_hook_users", "reset_position"]
 
 
 class RecomputeStateError(RuntimeError):
     """An activation recompute could not find the FP8 state its forward stashed."""
 
 
+class PhaseFlags:
+    """Whether one checkpoint call is running its phase 1 (``recording``) or its
+    recompute (``replaying``) now, on any thread: what a backward reads (NOTE
+    [Backward inside a checkpointed function]). Apart from its frame, so that the
+    stashes and module calls that hold it keep no frame alive."""
+
+    __slots__ = ("recording", "replaying")
+
+    def __init__(self):
+        self.recording = False
+        self.replaying = False
+
+
 class RecomputeStash(NamedTuple):
     """What one FP8 module call stashed in phase 1 for its recompute: its forward
     scaling state as phase 1 saw it (copied on write), the autocast session the call
-    belonged to (None outside a training forward), and the FP8 weights it used, by
-    GEMM (filled during the call; the recompute uses these, not a later cache)."""
+    belonged to (None outside a training forward), the FP8 weights it used, by
+    GEMM (filled during the call; the recompute uses these, not a later cache), the
+    `PhaseFlags` of the calls that recorded it, and the backward states that
+    backwards inside those phase-1 runs cast with, by backward slot, in order (NOTE
+    [Backward inside a checkpointed function])."""
 
     snapshot: ScalingSnapshot
     session: Any
     weights: dict
+    owners: Tuple[PhaseFlags, ...]
+    backward: Dict[int, List[ScalingSnapshot]]
 
     @property
     def scaling_fwd(self) -> ScalingState:
@@ -97,9 +134,10 @@ class RecomputeFrame:
     """The stashes and module modes of one checkpoint call (NOTE [Recompute stashes])."""
 
     __slots__ = ("stashes", "metas", "cursor", "modes", "replaced_modes", "rng_graph_safe",
-                 "compiled_head", "installed", "__weakref__")
+                 "compiled_head", "installed", "flags", "__weakref__")
 
     def __init__(self):
+        self.flags = PhaseFlags()
         # stashes a compiled first forward linked here (NOTE [torch.compile]), newest first
         self.compiled_head = None
         self.installed: List[dict] = []
@@ -133,7 +171,8 @@ class RecomputeFrame:
             linked.append(head)
             head = head.previous
         for stash in reversed(linked):
-            self.add(stash.fp8_meta, RecomputeStash(_FixedSnapshot(stash.state), None, {}))
+            self.add(stash.fp8_meta,
+                     RecomputeStash(_FixedSnapshot(stash.state), None, {}, (), {}))
 
     def start_recompute(self) -> None:
         """Rewind the stashes for a recompute, and put each module's stashed forward
@@ -191,7 +230,9 @@ class RecomputeFrame:
     def tensor_count(self) -> int:
         if self.compiled_head is not None:
             self._fold_compiled()
-        return 3 * sum(len(v) for v in self.stashes.values())
+        # a forward state per stash, and the backward states inner backwards used
+        return 3 * sum(1 + sum(len(b) for b in e.backward.values())
+                       for v in self.stashes.values() for e in v)
 
 
 @dataclass(frozen=True)
@@ -306,20 +347,29 @@ def enter(frame: RecomputeFrame, recomputing: bool,
     """Enter a phase of one checkpoint call on this thread; on exit put back exactly
     the position found. Phase 1 of a region nested inside a recompute is itself part
     of that recompute, so the phase flag is only ever raised on entry. A phase 1 holds
-    the module-mode hook for its duration."""
+    the module-mode hook for its duration. The frame's `PhaseFlags` say which phase
+    runs, for backwards on any thread."""
     saved = _THREAD.position
+    flags = frame.flags
+    was = flags.replaying if recomputing else flags.recording
     _THREAD.position = RecomputePosition(
         region=True, phase=saved.phase or recomputing,
         frames=saved.frames + ((frame, recomputing),),
         training_under_no_grad=(saved.training_under_no_grad if training_under_no_grad is None
                                 else training_under_no_grad))
-    if not recomputing:
+    if recomputing:
+        flags.replaying = True
+    else:
+        flags.recording = True
         _acquire_mode_hook()
     try:
         yield
     finally:
         _THREAD.position = saved
-        if not recomputing:
+        if recomputing:
+            flags.replaying = was
+        else:
+            flags.recording = was
             _release_mode_hook()
 
 
@@ -360,6 +410,26 @@ def take(fp8_meta: dict) -> RecomputeStash:
     for frame in _recording(frames):
         frame.add(fp8_meta, entry)
     return entry
+
+
+def recording_flags() -> Tuple[PhaseFlags, ...]:
+    """The `PhaseFlags` of this thread's recording checkpoint calls: the owners of a
+    stash made now."""
+    frames = _THREAD.position.frames
+    if len(frames) == 1:                           # the common case
+        return (frames[0][0].flags,)
+    return tuple(frame.flags for frame in _recording(frames))
+
+
+def replay_flags() -> Optional[PhaseFlags]:
+    """The `PhaseFlags` of this thread's outermost recomputing checkpoint call (None
+    outside any recompute): while it replays, a backward of a module call made now is
+    part of the recompute (NOTE [Backward inside a checkpointed function]). Recomputes
+    nest last in, first out, so the outermost one runs as long as any does."""
+    for frame, recomputing in _THREAD.position.frames:
+        if recomputing:
+            return frame.flags
+    return None
 
 
 def stash_tensor_count() -> int:

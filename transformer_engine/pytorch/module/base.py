@@ -347,6 +347,7 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         swapped = False
         if distributed.in_fp8_activation_recompute_phase():
             plan.recomputing = True
+            plan.replay = recompute.replay_flags()
             if fp8 and plan.delayed:
                 # the hooks return nothing (TE's signatures): the stash comes in fp8_meta
                 FP8GlobalStateManager.get_old_fp8_meta_tensors_for_recompute(self.fp8_meta)

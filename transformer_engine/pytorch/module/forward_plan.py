@@ -10,7 +10,8 @@ import torch
 
 from ...common.recipe import Recipe
 from ..fp8 import FP8GlobalStateManager
-from ..scaling import ScalingState
+from ..recompute import RecomputeStateError
+from ..scaling import ScalingSnapshot, ScalingState
 
 __all__ = ["ForwardPlan", "ForwardScope"]
 
@@ -34,7 +35,10 @@ class ForwardPlan:
     forward scaling state the casts use (the live one, or a recompute's stash), for a
     delayed-scaling recipe. ``traced``: made while dynamo traces (NOTE [torch.compile]
     in torch_compile.py); the backward of GEMM ``bwd_update_gemm`` (-1: none) then
-    updates the module's backward state, with the autocast's ``group``.
+    updates the module's backward state, with the autocast's ``group``. ``replay``:
+    for a call made in a recompute, the `PhaseFlags` of the outermost recompute
+    running then; ``bwd_taken``: how many stashed backward states its backwards took,
+    by slot (NOTE [Backward inside a checkpointed function] in recompute.py).
     """
 
     fp8: bool
@@ -50,9 +54,44 @@ class ForwardPlan:
     traced: bool = False
     bwd_update_gemm: int = -1
     group: Any = None
+    replay: Any = None
+    bwd_taken: Optional[dict] = None
 
     def __post_init__(self):
         self.delayed = self.recipe is not None and self.recipe.delayed()
+
+    def replaying(self) -> bool:
+        """Whether a backward of this call runs now as part of the recompute that made
+        the call (a backward inside the checkpointed function, run a second time)."""
+        return self.replay is not None and self.replay.replaying
+
+    def backward_state(self, live: Optional[ScalingState], slot: int):
+        """``(state, record)`` for the backward cast of backward slot ``slot``: the
+        state to cast with, and whether the cast records its amax, counts non-finite
+        amaxes and asks for the backward update. A backward replayed by a recompute
+        casts with the state the same backward of phase 1 used and records nothing; a
+        backward inside a running phase 1 keeps that state for it (NOTE [Backward
+        inside a checkpointed function] in recompute.py)."""
+        stash = self.stash
+        if not self.replaying():
+            if (live is not None and stash is not None
+                    and any(flags.recording for flags in stash.owners)):
+                stash.backward.setdefault(slot, []).append(ScalingSnapshot(live))
+            return live, True
+        if live is None:            # current or block scaling: no state to replay
+            return None, False
+        taken = self.bwd_taken if self.bwd_taken is not None else {}
+        self.bwd_taken = taken
+        done = taken.get(slot, 0)
+        kept = stash.backward.get(slot, ()) if stash is not None else ()
+        if done >= len(kept):
+            raise RecomputeStateError(
+                "te.checkpoint: the recompute ran a backward of a delayed-scaling FP8 call "
+                f"(backward #{done + 1} of slot {slot}) that the first forward did not run "
+                f"({len(kept)} recorded). A backward inside the checkpointed function must "
+                "run the same way in both phases.")
+        taken[slot] = done + 1
+        return kept[done].state, False
 
 
 class ForwardScope:

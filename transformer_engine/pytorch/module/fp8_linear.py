@@ -179,7 +179,6 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_t_data, x_t_scale_inv, w_t_data, w_t_scale_inv = ctx.saved_tensors
         plan: ForwardPlan = ctx.plan
         fmt = plan.recipe.fp8_format.value
-        state = ctx.fp8_meta["scaling_bwd"] if plan.delayed else None
         i = TransformerEngineBaseModule.BWD_TENSORS_PER_GEMM * ctx.gemm
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         handoff, handed = ctx.grad_handoff, None
@@ -190,10 +189,13 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dy_fp8, dy_t, handed_dbias = handed
             else:
                 dy = dy.contiguous()
+                # NOTE [Backward inside a checkpointed function] in recompute.py
+                state, record = plan.backward_state(
+                    ctx.fp8_meta["scaling_bwd"] if plan.delayed else None, i)
                 # The amax of dy is recorded even when only dbias is needed.
-                dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, True, "bwd_grad",
-                                            data=need_dgrad or not need_wgrad,
-                                            transpose=need_wgrad)
+                dy_fp8, dy_t = cast_operand(dy, plan, state, i, fmt.dtype_bwd, record,
+                                            "bwd_grad", data=need_dgrad or not need_wgrad,
+                                            transpose=need_wgrad, count=record)
             dgrad = wgrad = dbias = None
             if need_dgrad:
                 w_t = _restored(ctx.w_t_kind, w_t_data, w_t_scale_inv)
@@ -218,7 +220,8 @@ class _FP8LinearFunction(torch.autograd.Function):
             elif ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 dbias = handed_dbias
         if plan.session is not None:
-            request_backward_update(plan.session)
+            if not plan.replaying():
+                request_backward_update(plan.session)
         elif plan.bwd_update_gemm == ctx.gemm:      # NOTE [torch.compile]
             torch_compile.backward_update(ctx.fp8_meta, plan.recipe, plan.group)
         return dgrad, wgrad, dbias, None

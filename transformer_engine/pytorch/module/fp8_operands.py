@@ -39,6 +39,8 @@ NOTE [Skip-update flag]
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import block_scaling, mx_scaling, nvfp4_scaling, quantize
@@ -73,21 +75,24 @@ def block_cast_for_role(recipe, role: str, x: torch.Tensor, dtype: torch.dtype,
 
 
 def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: torch.dtype,
-                 record: bool, role: str, data: bool = True, transpose: bool = False):
+                 record: bool, role: str, data: bool = True, transpose: bool = False,
+                 count: Optional[bool] = None):
     """Cast a 2-D ``x``, whose role is ``role`` ("fwd_inp", "fwd_weight" or "bwd_grad"),
     with the delayed scale ``state.scale[index]`` (folding its amax into the live
     history slot when ``record``), for current scaling with its own amax and the role's
     `QParams`, for block scaling in blocks (block_scaling.py). Returns ``(x_fp8,
     x_fp8^T)`` as asked for (`quantize.cast_transpose_to_fp8`: one pass over ``x`` on
     CUDA); a block-scaled ``x_fp8^T`` is the columnwise copy (NOTE [Block scaling
-    layout])."""
+    layout]). ``count``: whether current or block scaling counts non-finite amaxes
+    (by default, unless the call is a recompute)."""
     if plan.delayed:        # (views made once, but not while dynamo traces)
         return quantize.cast_transpose_unchecked(x, state.scale, dtype, index,
                                                  state.amax_history if record else None,
                                                  data, transpose,
                                                  None if plan.traced else state)
     # a recompute counts no non-finite amax: its first forward did (NOTE [Non-finite amaxes])
-    count = not plan.recomputing
+    if count is None:
+        count = not plan.recomputing
     if blockwise_recipe(plan.recipe):
         return block_cast_for_role(plan.recipe, role, x, dtype, data, transpose,
                                    count_non_finite=count)

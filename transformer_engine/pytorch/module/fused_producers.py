@@ -109,8 +109,11 @@ def _scaling(plan: ForwardPlan, state, index: int, role: str, record: bool, devi
         return {"scale": state.scale, "index": index,
                 "amax_history": state.amax_history if record else None}
     q = getattr(plan.recipe, "fp8_quant_" + role)
+    # non-finite amaxes count once: not in a recompute's forward (its phase 1 counted),
+    # nor in a backward a recompute replays (NOTE [Non-finite amaxes])
+    counted = record if role == "bwd_grad" else not plan.recomputing
     return {"power_2_scale": q.power_2_scale, "amax_epsilon": q.amax_epsilon,
-            "non_finite": non_finite_counter(device)}
+            "non_finite": non_finite_counter(device) if counted else None}
 
 
 def _fp8_pair(q, q_t, scale_inv) -> Tuple[Optional[Float8Data], Optional[Float8Data]]:
@@ -294,12 +297,14 @@ class ActCast(torch.autograd.Function):
         if dy2d.stride(1) != 1:
             dy2d = dy2d.contiguous()
         need_dgrad, need_wgrad, bias_dtype = call.handoff.needs
-        state = call.bwd_fp8_meta["scaling_bwd"] if plan.delayed else None
+        # NOTE [Backward inside a checkpointed function] in recompute.py
+        state, record = plan.backward_state(
+            call.bwd_fp8_meta["scaling_bwd"] if plan.delayed else None, call.bwd_index)
         dtype, data = plan.recipe.fp8_format.value.dtype_bwd, need_dgrad or not need_wgrad
         out = fused_or_none(
             _kernels[2].dact_cast, x2d, dy2d, call.activation, dtype, data=data,
             transpose=need_wgrad, dbias_dtype=bias_dtype,
-            **_scaling(plan, state, call.bwd_index, "bwd_grad", True, x2d.device))
+            **_scaling(plan, state, call.bwd_index, "bwd_grad", record, x2d.device))
         if out is None:         # NOTE [Suspect compiles]: the unfused path's backward
             with torch.enable_grad():
                 x = x2d.detach().requires_grad_()
@@ -307,8 +312,9 @@ class ActCast(torch.autograd.Function):
             dbias = None if bias_dtype is None else (
                 grad.sum(0) if grad.dtype == bias_dtype
                 else grad.sum(0, dtype=torch.float32).to(bias_dtype))
-            call.handoff.grad = (*cast_operand(grad, plan, state, call.bwd_index, dtype, True,
-                                               "bwd_grad", data, need_wgrad), dbias)
+            call.handoff.grad = (*cast_operand(grad, plan, state, call.bwd_index, dtype, record,
+                                               "bwd_grad", data, need_wgrad, count=record),
+                                 dbias)
         else:
             call.handoff.grad = (*_fp8_pair(*out[:3]), out[3])
         return unwritten(ctx.shape, x2d.dtype, x2d.device), None
