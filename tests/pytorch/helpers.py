@@ -183,10 +183,11 @@ def params(modules) -> list:
 
 def fp8_training_steps(module, recipe, magnitudes=(1.0,), features=16):
     """One FP8 training step of ``module`` per magnitude, on ``randn(16, features)``
-    scaled by it; returns each step's input amax."""
+    (on the module's device) scaled by it; returns each step's input amax."""
+    device = next(module.parameters()).device
     amaxes = []
     for magnitude in magnitudes:
-        x = torch.randn(16, features) * magnitude
+        x = torch.randn(16, features, device=device) * magnitude
         amaxes.append(x.abs().max().item())
         with te.autocast(recipe=recipe):
             y = module(x.requires_grad_())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import transformer_engine.pytorch as te
+from helpers import DEVICES
 from references import allowed_ref, assert_close, attend_ref, leaf64
 
 B, H, G, D = 2, 4, 2, 8
@@ -303,13 +304,13 @@ def test_bad_calls_are_refused(call, exc, match):
 # TE reads attention_mask only for the padding types and "arbitrary"; with the others the
 # output and gradients are those of no mask, whatever the mask holds.
 
-def _odd_masks(b, sq, skv):
+def _odd_masks(b, sq, skv, device="cpu"):
     """Masks that would change (or break) the output if they were read."""
-    everything = torch.ones(sq, skv, dtype=torch.bool)               # masks every key
-    half = torch.arange(skv) >= skv // 2
+    everything = torch.ones(sq, skv, dtype=torch.bool, device=device)   # masks every key
+    half = torch.arange(skv, device=device) >= skv // 2
     return {"all-true": everything, "padding-shaped": half.expand(b, 1, 1, skv).clone(),
             "pair": (half[:sq].expand(b, 1, 1, sq).clone(), half.expand(b, 1, 1, skv).clone()),
-            "int": torch.ones(b, 1, 1, skv, dtype=torch.int64)}
+            "int": torch.ones(b, 1, 1, skv, dtype=torch.int64, device=device)}
 
 
 def _out_and_grads(fn, inputs):
@@ -348,31 +349,34 @@ def test_dpa_thd_ignores_attention_mask_of_maskless_types():
     assert torch.equal(masked, plain)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attention_type", ["self", "cross"])
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
-def test_multihead_attention_ignores_attention_mask_of_maskless_types(mask_type, attention_type):
+def test_multihead_attention_ignores_attention_mask_of_maskless_types(mask_type, attention_type,
+                                                                      device):
     torch.manual_seed(0)
     mha = te.MultiheadAttention(16, 2, attention_dropout=0.0, attn_mask_type=mask_type,
-                                attention_type=attention_type)
-    x = torch.randn(5, B, 16)
-    enc = torch.randn(7, B, 16) if attention_type == "cross" else None
+                                attention_type=attention_type, device=device)
+    x = torch.randn(5, B, 16, device=device)
+    enc = torch.randn(7, B, 16, device=device) if attention_type == "cross" else None
     skv = 7 if attention_type == "cross" else 5
     plain = _out_and_grads(lambda h: mha(h, encoder_output=enc), (x,))
-    masks = _odd_masks(B, 5, skv)
+    masks = _odd_masks(B, 5, skv, device)
     for mask in (masks["all-true"], masks["pair"]):
         masked = _out_and_grads(lambda h: mha(h, attention_mask=mask, encoder_output=enc), (x,))
         _assert_same(masked, plain)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
-def test_transformer_layer_ignores_attention_masks_of_maskless_types(mask_type):
+def test_transformer_layer_ignores_attention_masks_of_maskless_types(mask_type, device):
     torch.manual_seed(0)
     layer = te.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0,
                                 layer_type="decoder", self_attn_mask_type=mask_type,
-                                enc_dec_attn_mask_type=mask_type)
-    x, enc = torch.randn(5, B, 16), torch.randn(7, B, 16)
+                                enc_dec_attn_mask_type=mask_type, device=device)
+    x, enc = torch.randn(5, B, 16, device=device), torch.randn(7, B, 16, device=device)
     plain = _out_and_grads(lambda h, e: layer(h, encoder_output=e), (x, enc))
-    self_masks, cross_masks = _odd_masks(B, 5, 5), _odd_masks(B, 5, 7)
+    self_masks, cross_masks = _odd_masks(B, 5, 5, device), _odd_masks(B, 5, 7, device)
     for name in ("all-true", "int"):
         masked = _out_and_grads(lambda h, e: layer(
             h, attention_mask=self_masks[name], encoder_output=e,

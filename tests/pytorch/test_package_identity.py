@@ -22,6 +22,7 @@ from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling
 from transformer_engine.pytorch import fp8, quantization
 
 from helpers import HAS_CUDA_FP8
+from test_docs_snippets import python_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +75,17 @@ def test_find_spec_and_metadata_agree_as_accelerate_checks():
     # accelerate.utils.imports._is_package_available("transformer_engine", "transformer-engine")
     assert importlib.util.find_spec("transformer_engine") is not None
     importlib.metadata.metadata("transformer-engine")
+
+
+@needs_install
+def test_the_documented_metadata_check_runs():
+    """docs/package-identity.md: its metadata block runs as printed (here, not in
+    test_docs_snippets.py: it needs the installed distribution)."""
+    page = ROOT / "docs" / "package-identity.md"
+    blocks = [b for b in python_blocks(page) if b.mark == "run-by"]
+    assert len(blocks) == 1 and "importlib.metadata.version" in blocks[0].code
+    exec(compile("\n" * blocks[0].line + blocks[0].code, str(page), "exec"),
+         {"__name__": "docs_package_identity"})
 
 
 # ---- attribute access after `import transformer_engine` -------------------------

@@ -16,8 +16,8 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, RecomputeStateError
 from transformer_engine.pytorch.scaling import ScalingState
-from helpers import (CLEAN, REENTRANT, STASH_KEY, assert_runs_equal, capture, global_state,
-                     stash_count)
+from helpers import (CLEAN, DEVICES, REENTRANT, STASH_KEY, assert_runs_equal, capture,
+                     global_state, stash_count)
 
 HOOKS = ("copy_forward_fp8_meta_tensors_for_recompute", "get_old_fp8_meta_tensors_for_recompute",
          "restore_fp8_meta_tensors")
@@ -56,12 +56,12 @@ class Counted:
             monkeypatch.setattr(FP8GlobalStateManager, name, staticmethod(wrapper))
 
 
-def _train(placement, checkpointed, use_reentrant):
+def _train(placement, checkpointed, use_reentrant, device):
     """pre -> region -> post, the region running ``a`` twice and ``b`` once, the FP8
     autocast around everything ("outside") or opened inside the region ("inside").
     Returns the step records, the modules and how often the region ran."""
     torch.manual_seed(0)
-    pre, a, b, post = (te.Linear(32, 32) for _ in range(4))
+    pre, a, b, post = (te.Linear(32, 32, device=device) for _ in range(4))
     modules = [pre, a, b, post]
     calls = [0]
 
@@ -74,7 +74,7 @@ def _train(placement, checkpointed, use_reentrant):
     opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.5)
     record = []
     for step in range(STEPS):
-        x = (torch.randn(16, 32) * 4.0 ** step).requires_grad_()
+        x = (torch.randn(16, 32, device=device) * 4.0 ** step).requires_grad_()
         outer = te.autocast(recipe=RECIPE) if placement == "outside" else contextlib.nullcontext()
         with outer:
             h = pre(x)
@@ -88,12 +88,14 @@ def _train(placement, checkpointed, use_reentrant):
     return record, modules, calls[0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("placement", ["outside", "inside"])
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
-def test_te_shaped_wrappers_count_and_the_run_is_unchanged(use_reentrant, placement, monkeypatch):
-    ref, _, ref_calls = _train(placement, False, use_reentrant)
+def test_te_shaped_wrappers_count_and_the_run_is_unchanged(use_reentrant, placement, device,
+                                                            monkeypatch):
+    ref, _, ref_calls = _train(placement, False, use_reentrant, device)
     counted = Counted(monkeypatch)
-    got, (pre, a, b, post), calls = _train(placement, True, use_reentrant)
+    got, (pre, a, b, post), calls = _train(placement, True, use_reentrant, device)
     assert (ref_calls, calls) == (STEPS, 2 * STEPS)             # the recompute ran
     assert_runs_equal(ref, got)
     expected = {id(a.fp8_meta): 2 * STEPS, id(b.fp8_meta): STEPS}
@@ -137,18 +139,19 @@ def test_hooks_are_no_ops_without_delayed_scaling_state(recipe, state):
     assert stash_count() == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
-def test_a_swap_wrapper_that_skips_the_original_is_refused(use_reentrant, monkeypatch):
+def test_a_swap_wrapper_that_skips_the_original_is_refused(use_reentrant, device, monkeypatch):
     """The module relies on the hook's effect, not on a return value: a wrapper that
     does not call the original leaves no stash in fp8_meta, and the recompute refuses
     to run on the live (updated) scales; the live state is back in place after."""
-    layer = te.Linear(32, 32)
+    layer = te.Linear(32, 32, device=device)
 
     def region(h):
         with te.autocast(recipe=RECIPE):
             return layer(h)
 
-    loss = te.checkpoint(region, torch.randn(16, 32, requires_grad=True),
+    loss = te.checkpoint(region, torch.randn(16, 32, device=device, requires_grad=True),
                          use_reentrant=use_reentrant).pow(2).mean()
     live = layer.fp8_meta["scaling_fwd"]
     monkeypatch.setattr(FP8GlobalStateManager, "get_old_fp8_meta_tensors_for_recompute",

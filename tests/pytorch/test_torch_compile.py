@@ -21,7 +21,7 @@ from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling
 from transformer_engine.pytorch import FP8GlobalStateManager
 from transformer_engine.pytorch import custom_ops  # noqa: F401  (the ops opcheck checks)
 from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding
-from helpers import HAS_CUDA_FP8, assert_runs_equal, capture, te_modules
+from helpers import DEVICES, HAS_CUDA_FP8, assert_runs_equal, capture, te_modules
 
 H, FFN, HEADS, SEQ, BATCH = 32, 64, 2, 8, 2
 TOKENS = SEQ * BATCH
@@ -235,6 +235,37 @@ def test_autograd_functions_return_fresh_tensors(recipe, path):
             torch.randn(TOKENS, H, device=device, requires_grad=True))
     assert functions[0] > 0, "no autograd function was traced: nothing was checked"
     assert not problems, "returned tensors made twice:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_attention_output_is_contiguous_whatever_the_sdpa_layout(fmt, device):
+    """te.DotProductAttention returns a contiguous ``[s, b, h*d]`` (``[b, s, h*d]``)
+    output, as TE's, so the caller's ``.view`` works in eager and under dynamo's fake
+    tensors. SDPA's output memory is ``[b, s, h, d]`` on CUDA's fused backends and
+    follows the query's layout on the CPU: inputs laid out in the other format's order
+    (``[b, s, h, d]`` memory for sbhd) give on the CPU the strided result CUDA gives
+    (``(8, 2, 32)`` with strides ``(32, 256, 1)`` for sbhd). Compiled (aot_eager)
+    equals eager bit for bit, forward and input gradients."""
+    dpa = te.DotProductAttention(HEADS, H // HEADS, attn_mask_type="causal", qkv_format=fmt)
+    other_order = (BATCH, SEQ) if fmt == "sbhd" else (SEQ, BATCH)
+    g = torch.Generator().manual_seed(4)
+    data = [torch.randn(*other_order, HEADS, H // HEADS, generator=g).to(device)
+            for _ in range(3)]
+
+    def fn(q, k, v):
+        return dpa(q, k, v).view(TOKENS, H)
+
+    runs = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        qkv = [t.clone().requires_grad_() for t in data]
+        out = run(*(t.transpose(0, 1) for t in qkv))     # fmt's shape, the other's memory
+        out.pow(2).sum().backward()
+        runs.append([out.detach()] + [t.grad for t in qkv])
+    eager, compiled = runs
+    assert dpa(*(t.transpose(0, 1) for t in data)).is_contiguous()
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
 
 
 # ---- guards: what recompiles and what does not -------------------------------------------

@@ -228,9 +228,12 @@ class DotProductAttention(torch.nn.Module):
         with self._dropout_context(p):
             out = self._sdpa(*(t.permute(*to_bhsd) for t in (q, k, v)), mask, bias, p)
         b, h, s, d = out.shape
+        # Contiguous, as TE's: SDPA's output memory is [b, s, h, d] on CUDA's fused
+        # backends (the CPU's follows the query's), so the sbhd result would otherwise
+        # be a strided view that callers cannot .view (the projection copies it anyway)
         if fmt == "sbhd":
-            return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
-        return out.transpose(1, 2).reshape(b, s, h * d)
+            return out.permute(2, 0, 1, 3).reshape(s, b, h * d).contiguous()
+        return out.transpose(1, 2).reshape(b, s, h * d).contiguous()
 
     def _attend_packed(self, q, k, v, layout, mask_type: str, window):
         """``thd``: attention per sequence (NOTE [Packed sequences])."""
