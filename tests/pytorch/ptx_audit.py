@@ -3,7 +3,7 @@
 Triton's compiler needs no GPU: given a target it lowers a kernel to PTX and assembles
 it with the ptxas its wheel ships. `compile_only` makes Triton believe the current
 device is an sm_90 GPU and turns every launch of the package's kernels into a compile
-of that launch's specialization (`Launcher._first_launch`, the check that runs before a
+of that launch's specialization (`Launcher.check`, the check that runs before a
 real first launch: NOTE [Suspect compiles] in kernels/launch.py) with nothing run. So
 the kernel wrappers can be called on CPU tensors of the shapes, dtypes and strides the
 GPU would see, and every specialization they reach is compiled and its PTX checked.
@@ -70,14 +70,14 @@ def compile_only(capability: int = 90):
 
     def compile_call(self, grid, num_warps, key, *args):
         if self not in touched:
-            touched[self] = (dict(self.compiled), set(self.refused))
+            touched[self] = (dict(self.compiled), set(self.checked), set(self.refused))
         entry_key = (0, key)
-        if entry_key in self.compiled:
+        if entry_key in self.checked:
             return
         if entry_key in self.refused:
             raise launch.SuspectCompile(self.kernel.__name__)
         try:
-            self._first_launch(grid, num_warps, entry_key, args)
+            self.check(grid, num_warps, entry_key, args)
         except launch.SuspectCompile:
             seen.append((self.kernel.__name__, key, True))
             raise
@@ -91,6 +91,6 @@ def compile_only(capability: int = 90):
     finally:
         launch.Launcher.__call__ = real_call
         _driver._active = previous
-        for launcher, (compiled, refused) in touched.items():    # nothing of the audit
-            launcher.compiled, launcher.refused = compiled, refused  # stays behind
+        for launcher, saved in touched.items():     # nothing of the audit stays behind
+            launcher.compiled, launcher.checked, launcher.refused = saved
             launcher.kernel.device_caches.clear()

@@ -214,7 +214,7 @@ def test_fp8_params_are_updated_in_place_from_their_masters(recipe):
     rec = DelayedScaling() if recipe == "delayed" else Float8CurrentScaling()
     torch.manual_seed(0)
     with te.quantized_model_init(enabled=True, recipe=rec):
-        layer = te.Linear(32, 32)
+        layer = te.Linear(32, 32, device="cpu")
     weight = layer.weight
     assert isinstance(weight, te.Float8Tensor)
     opt = FusedAdam(layer.parameters(), lr=1e-2, master_weights=True)

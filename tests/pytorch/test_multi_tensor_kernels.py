@@ -64,6 +64,12 @@ def randn(dtypes, device):
     return [torch.randn(s, dtype=d).to(device) for d in dtypes for s in SIZES]
 
 
+def randn_like(t):
+    """Normal values like ``t``, drawn on the CPU (the CUDA generator draws other
+    numbers for the same seed) and moved to ``t``'s device."""
+    return torch.randn(t.shape, dtype=t.dtype).to(t.device)
+
+
 @pytest.mark.parametrize("by_tensor", [False, True], ids=["float", "tensor"])
 @pytest.mark.parametrize("src, dst", [(F32, F32), (BF16, F32), (F32, F16), (F16, BF16)])
 def test_scale_matches_torch(src, dst, by_tensor):
@@ -106,16 +112,16 @@ def test_adam_matches_torch(variant, adamw):
     def build(device):
         low = variant in ("master", "remainder", "capturable-master")
         p = randn([BF16 if low else F32], device)
-        g = [torch.randn_like(t) for t in p]
+        g = [randn_like(t) for t in p]
         state = BF16 if variant == "bf16-states" else F32
-        m = [torch.randn(t.shape, dtype=state, device=device) for t in p]
-        v = [torch.rand(t.shape, dtype=state, device=device) for t in p]
+        m = [torch.randn(t.shape, dtype=state).to(device) for t in p]
+        v = [torch.rand(t.shape, dtype=state).to(device) for t in p]
         lists = [g, p, m, v]
         if variant in ("master", "capturable-master"):
             lists.append([t.float() + 1e-3 for t in p])
         if variant == "remainder":
-            lists.append([torch.randint(-2 ** 15, 2 ** 15, t.shape, dtype=torch.int16,
-                                        device=device) for t in p])
+            lists.append([torch.randint(-2 ** 15, 2 ** 15, t.shape, dtype=torch.int16).to(device)
+                          for t in p])
         noop = torch.zeros(1, dtype=torch.int32, device=device)
         for step in (1, 2, 7):
             if variant.startswith("capturable"):
@@ -137,8 +143,8 @@ def test_adam_matches_torch(variant, adamw):
 def test_sgd_matches_torch(nesterov, first_run, wd_after, copy):
     def build(device):
         p = randn([F32] if copy else [F32, F16], device)
-        g = [torch.randn_like(t) for t in p]
-        m = [torch.randn_like(t) for t in p]
+        g = [randn_like(t) for t in p]
+        m = [randn_like(t) for t in p]
         lists = [g, p, m] + ([[t.half() for t in p]] if copy else [])
         noop = torch.zeros(1, dtype=torch.int32, device=device)
         APPLY(mt.multi_tensor_sgd, noop, lists, 0.01, 0.9, 0.0 if nesterov else 0.1, 0.1,

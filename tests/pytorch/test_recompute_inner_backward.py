@@ -163,7 +163,7 @@ def test_the_gradient_penalty_example(use_reentrant):
     histories = []
     for checkpointed in (False, True):
         torch.manual_seed(0)
-        inner, outer = te.Linear(32, 32), te.Linear(32, 32)
+        inner, outer = te.Linear(32, 32, device="cpu"), te.Linear(32, 32, device="cpu")
 
         def fn(x):
             with te.autocast(enabled=True, recipe=DELAYED):
@@ -196,7 +196,7 @@ def test_a_non_finite_inner_gradient_is_counted_once(use_reentrant, recipe):
     counts, states = [], []
     for checkpointed in (False, True):
         torch.manual_seed(0)
-        inner, outer = te.Linear(32, 32), te.Linear(32, 32)
+        inner, outer = te.Linear(32, 32, device="cpu"), te.Linear(32, 32, device="cpu")
         calls = [0]
 
         def fn(x):
@@ -237,7 +237,7 @@ def test_a_recompute_whose_inner_backward_differs_is_refused(use_reentrant):
     recompute phase, which the contract forbids) has nothing to replay: the recompute
     refuses with an error that says so, rather than cast with a live scale."""
     torch.manual_seed(0)
-    inner, outer = te.Linear(32, 32), te.Linear(32, 32)
+    inner, outer = te.Linear(32, 32, device="cpu"), te.Linear(32, 32, device="cpu")
     state = {"phase": 0}
 
     def fn(x):
@@ -263,7 +263,7 @@ def test_only_a_backward_inside_phase_1_keeps_a_backward_state(use_reentrant):
     stash of the call it went through; the outer backward, which runs after phase 1,
     keeps none, however often a retained graph is backpropagated."""
     torch.manual_seed(0)
-    inner, outer = te.Linear(32, 32), te.Linear(32, 32)
+    inner, outer = te.Linear(32, 32, device="cpu"), te.Linear(32, 32, device="cpu")
 
     def fn(x):
         with te.autocast(recipe=DELAYED):
@@ -290,7 +290,7 @@ def test_a_non_finite_outer_gradient_through_recomputed_calls_is_counted(use_ree
     counts = []
     for checkpointed in (False, True):
         torch.manual_seed(0)
-        lin = te.Linear(32, 32)
+        lin = te.Linear(32, 32, device="cpu")
 
         def fn(x):
             with te.autocast(recipe=recipe):

@@ -293,8 +293,11 @@ class RngSnapshot:
 def check_dropout_replayable(api: str, p: float, x: torch.Tensor) -> None:
     """Refuse dropout in a checkpoint region whose recompute, inside a CUDA graph, could
     not replay the masks (an `RngSnapshot` that is not ``graph_safe``)."""
-    if p > 0.0 and x.is_cuda and torch.cuda.is_current_stream_capturing() and any(
-            not frame.rng_graph_safe for frame, _ in recompute.position().frames):
+    # (not while dynamo traces: it cannot trace the capture query, and a compiled
+    # region is not captured by te.make_graphed_callables' recompute)
+    if (p > 0.0 and x.is_cuda and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing()
+            and any(not frame.rng_graph_safe for frame, _ in recompute.position().frames)):
         raise RuntimeError(
             f"{api}: dropout (p={p}) inside a te.checkpoint region whose recompute cannot "
             "replay the masks in a CUDA graph: only a region that te.make_graphed_callables "

@@ -208,18 +208,18 @@ class Launcher:
     def __init__(self, kernel, **options):
         self.kernel = kernel
         self.options = {} if INTERPRET else _known_options(options)
-        self.compiled: Dict[tuple, Optional[tuple]] = {}    # None: checked, no direct entry
-        self.refused: set = set()
+        self.compiled: Dict[tuple, tuple] = {}     # direct-launch entries of checked keys
+        self.checked: set = set()                  # keys compiled and found sound
+        self.refused: set = set()                  # keys compiled and found suspect
 
-    def _first_launch(self, grid, num_warps: int, entry_key: tuple, args) -> None:
-        """Compile ``entry_key``'s specialization, check it, remember the verdict."""
+    def check(self, grid, num_warps: int, entry_key: tuple, args) -> None:
+        """Compile ``entry_key``'s specialization without running it and check its PTX
+        (NOTE [Suspect compiles]); a suspect one is refused from now on."""
         compiled = self.kernel.warmup(*args, grid=grid, num_warps=num_warps, **self.options)
         if ptx_suspect(self.kernel, compiled):
             self.refused.add(entry_key)
             raise SuspectCompile(getattr(self.kernel, "__name__", str(self.kernel)))
-        direct = (compiled is not None and getattr(compiled, "function", None) is not None)
-        self.compiled[entry_key] = ((compiled.run, compiled.function, compiled.packed_metadata)
-                                    if direct else None)
+        self.checked.add(entry_key)
 
     def __call__(self, grid: Tuple[int, int, int], num_warps: int, key: tuple, *args) -> None:
         if INTERPRET:
@@ -229,14 +229,18 @@ class Launcher:
         # module casts on it, so torch.cuda.current_device()'s lazy-init check is skipped
         device = torch._C._cuda_getDevice()
         entry_key = (device, key)
-        if entry_key not in self.compiled:
-            if entry_key in self.refused:
-                raise SuspectCompile(getattr(self.kernel, "__name__", str(self.kernel)))
-            self._first_launch(grid, num_warps, entry_key, args)
-        entry = self.compiled[entry_key]
+        entry = self.compiled.get(entry_key)
         if (entry is None or not (_DIRECT_LAUNCH_OK and get_kernel_config().direct_launch)
                 or _hooks_registered()):
-            self.kernel[grid](*args, num_warps=num_warps, **self.options)
+            if entry_key not in self.checked:
+                if entry_key in self.refused:
+                    raise SuspectCompile(getattr(self.kernel, "__name__", str(self.kernel)))
+                self.check(grid, num_warps, entry_key, args)
+            compiled = self.kernel[grid](*args, num_warps=num_warps, **self.options)
+            if (entry is None and _DIRECT_LAUNCH_OK and compiled is not None
+                    and getattr(compiled, "function", None) is not None):
+                self.compiled[entry_key] = (compiled.run, compiled.function,
+                                            compiled.packed_metadata)
             return
         run, function, metadata = entry
         stream = torch._C._cuda_getCurrentRawStream(device)

@@ -69,6 +69,11 @@ class Quantize(BasicOperation, TransformerEngineBaseModule):
         self._quantize_forward = check_bool("te.ops.Quantize", "forward", forward)
         self._quantize_backward = check_bool("te.ops.Quantize", "backward", backward)
 
+    def _meta_device(self) -> torch.device:
+        """A Quantize op has no parameters: its FP8 state lives where its input is."""
+        device = getattr(self, "_input_device", None)
+        return device if device is not None else super()._meta_device()
+
     def num_quantizers(self, mode: str) -> int:
         super().num_quantizers(mode)
         return int(self._quantize_forward if mode == "forward" else self._quantize_backward)
@@ -78,6 +83,7 @@ class Quantize(BasicOperation, TransformerEngineBaseModule):
             raise TypeError(f"te.ops.Quantize: input must be a floating-point tensor, got "
                             f"dtype {x.dtype}")
         x = x.contiguous()
+        self._input_device = x.device
         with self.prepare_forward(x) as plan:
             if not plan.fp8 or x.numel() == 0:
                 return x, [()]
