@@ -1,7 +1,8 @@
 """Triton kernel of the in-place delayed-scaling update of many modules' states in one
 launch: roll each amax history, compute each new scale and ``1 / scale`` as
 `delayed_scaling.delayed_scaling_update` does (bit for bit; a column whose live amax
-is 0 keeps its history and scale), and count non-finite live amaxes (NOTE [Non-finite amaxes] in non_finite.py). Reached through `casts`.
+is 0 keeps its history and scale), and count non-finite live amaxes (NOTE
+[Non-finite amaxes] in non_finite.py). Reached through `casts`.
 """
 
 from __future__ import annotations
