@@ -6,6 +6,7 @@ GEMMs read as they are, optimizers and ``load_state_dict`` write by quantizing, 
 import copy
 import io
 import threading
+import warnings
 
 import pytest
 import torch
@@ -477,3 +478,30 @@ def test_views_read_and_write_through_to_the_fp8_data():
     x = torch.randn(4, 32)
     F.linear(x, w).sum().backward()
     assert torch.equal(w.grad, torch.ones(4, 16).t() @ x)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_new_history_length_warns_that_the_weight_quantizer_changes(kind):
+    """A module with FP8 primary weights run under a delayed-scaling recipe with another
+    history length than its model-init recipe quantizes its weights with the resized
+    state from then on: TE's "Quantizer is being updated" UserWarning; the same length
+    (other settings) and a module without FP8 weights stay silent."""
+    make, _ = _MODULES[kind]
+    with te.quantized_model_init(recipe=DelayedScaling(amax_history_len=16)):
+        module = make("cpu")
+    plain = make("cpu")
+    x = torch.randn(32, 32)
+
+    def run(m, recipe):
+        with te.autocast(recipe=recipe):
+            return m(x, [32, 0]) if kind == "GroupedLinear" else m(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(module, DelayedScaling(amax_history_len=16, margin=1))
+        run(plain, DelayedScaling(amax_history_len=16))
+        run(plain, DelayedScaling(amax_history_len=1))
+    with pytest.warns(UserWarning, match="Quantizer is being updated, this may affect model "
+                                         "behavior"):
+        run(module, DelayedScaling(amax_history_len=1))
+    assert module.fp8_meta["scaling_fwd"].amax_history.shape[0] == 1
