@@ -412,9 +412,19 @@ def test_aliases_share_and_copies_copy_the_fp8_bits():
         other._scale_inv, w._scale_inv)
 
 
-def test_quantized_tensor_is_abstract_and_float8_tensor_checks_its_parts():
-    with pytest.raises(TypeError, match="QuantizedTensor is an abstract base class"):
+def test_bare_quantized_tensor_and_float8_tensor_checks_its_parts():
+    """TE's ``QuantizedTensor(shape, dtype)``: metadata only, no views, no value."""
+    with pytest.raises(TypeError, match=r"QuantizedTensor\(shape, dtype\): shape must be"):
         QuantizedTensor(torch.zeros(2))
+    qt = QuantizedTensor((128, 64), torch.bfloat16, device="cpu")
+    assert (qt.shape, qt.dtype, qt.device, qt.stride()) == ((128, 64), torch.bfloat16,
+                                                              torch.device("cpu"), (64, 1))
+    for view in (lambda: qt.view(-1), lambda: qt[0], lambda: qt.t()):
+        with pytest.raises(NotImplementedError,
+                           match="QuantizedTensor class does not support tensor views"):
+            view()
+    with pytest.raises(NotImplementedError, match="QuantizedTensor holds no data"):
+        qt + 1
     with pytest.raises(TypeError, match="data must be a tensor of an FP8 dtype"):
         Float8Tensor(torch.zeros(2), torch.ones(1), torch.float32)
     with pytest.raises(TypeError, match="scale_inv must be a one-element float32 tensor"):
