@@ -4,19 +4,30 @@ and the failures grouped by message. ``run.sh`` is the entry point (README.md).
 
     python3 run.py <TE tests/pytorch> <out dir> [file.py ...]
 
-Environment: YARDSTICK_WORKERS (processes at once, default 12), YARDSTICK_BUDGET_S
-(seconds for all tests, default 420), YARDSTICK_TEST_TIMEOUT_S (one test, default
-120), YARDSTICK_COMMIT (the commit to report), YARDSTICK_K (a pytest -k expression:
-run only the matching tests; the counts then cover that subset), PYTHON (default:
-this interpreter).
+Environment: YARDSTICK_WORKERS (processes at once, default 12), YARDSTICK_MEMORY_GB
+(GPU memory the chunks may take together, default 90% of the card's free memory at
+the start), YARDSTICK_BUDGET_S (seconds for the parallel pass, default 400),
+YARDSTICK_ALONE_BUDGET_S (seconds for the serial pass, default 80),
+YARDSTICK_TEST_TIMEOUT_S (one test, default 120), YARDSTICK_COMMIT (the commit to
+report), YARDSTICK_K (a pytest -k expression: run only the matching tests; the counts
+then cover that subset), PYTHON (default: this interpreter).
 
 Each selected file runs as ``FILES[file]`` chunks (every n-th test), each chunk a
 pytest process of its own (so one test file's process state never leaks into
 another's, as in TE's own CI, which runs each file alone). Chunks are queued largest
-file first onto the workers, at most MAX_AT_ONCE[file] of one file at a time. A
+file first onto the workers; a chunk starts only while the memory weights
+(selection.MEMORY_GB) of the chunks running and its own fit in YARDSTICK_MEMORY_GB. A
 chunk whose process dies (crash, or a test over the per-test limit) is restarted
 after the test it died in, which is recorded as crashed; whatever the budget leaves
 unstarted (or stops) is recorded as not run.
+
+NOTE [Environment failures]
+    A test that fails with a message of the shared card (`ENV_FAILURE`: out of
+    memory, device busy or unavailable, unknown error) or whose process died (not by
+    the per-test limit) in the parallel pass is run again alone, one pytest process
+    at a time per file, after it. Its outcome alone is the one that counts. One that
+    still fails with such a message alone is ``env_failed``, reported apart from the
+    package's failures (``failed`` / ``error`` / ``crashed``).
 """
 
 from __future__ import annotations
@@ -33,9 +44,24 @@ from collections import Counter, defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from selection import EXCLUDED_FILES, FILES, MAX_AT_ONCE, test_key  # noqa: E402
+from selection import (DEFAULT_MEMORY_GB, EXCLUDED_FILES, FILES, MEMORY_GB,  # noqa: E402
+                       test_key)
 
-OUTCOMES = ("passed", "failed", "error", "skipped", "crashed", "not_run")
+OUTCOMES = ("passed", "failed", "error", "skipped", "crashed", "env_failed", "not_run")
+FAILED = ("failed", "error", "crashed")
+ENV_FAILURE = re.compile(r"out of memory|OutOfMemoryError|busy or unavailable|device busy|"
+                         r"unknown error|CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)
+_TIMEOUT_DEATH = "longer than the per-test limit"
+
+
+def memory_gb(name: str) -> float:
+    """The GPU memory one chunk of file ``name`` may take (selection.MEMORY_GB)."""
+    return MEMORY_GB.get(name, DEFAULT_MEMORY_GB)
+
+
+def is_env_failure(message: str) -> bool:
+    """A failure message that the shared card, not the package, may cause."""
+    return bool(ENV_FAILURE.search(message or ""))
 
 
 def _env():
@@ -51,9 +77,9 @@ def _env():
 class Unit:
     """One chunk of one file: a pytest process (restarted after a crash)."""
 
-    def __init__(self, tests_dir, out, name, k, n):
-        self.tests_dir, self.name, self.k, self.n = tests_dir, name, k, n
-        stem = f"{name[:-3]}.{k}of{n}"
+    def __init__(self, tests_dir, out, name, k, n, only=None):
+        self.tests_dir, self.name, self.k, self.n, self.only = tests_dir, name, k, n, only
+        stem = f"{name[:-3]}.{k}of{n}" if only is None else f"{name[:-3]}.alone"
         self.log = os.path.join(out, "logs", stem + ".jsonl")
         self.output = os.path.join(out, "logs", stem + ".out")
         self.work = os.path.join(out, "work", stem)
@@ -67,6 +93,8 @@ class Unit:
                f"--yardstick-test-timeout={test_timeout}"]
         if os.environ.get("YARDSTICK_K"):          # a subset: counts cover only it
             cmd += ["-k", os.environ["YARDSTICK_K"]]
+        if self.only:
+            cmd += [f"--yardstick-only={self.only}"]
         return cmd + (["--yardstick-resume"] if self.runs else [])
 
     def run(self, python, deadline, test_timeout, env):
@@ -160,9 +188,13 @@ def _group_key(message: str) -> str:
     return _NUMBER.sub("N", first)[:300]
 
 
-def summarize(units, out, meta):
-    results, deselected = {}, {}
+def read_results(units):
+    """``(results, deselected, memory)`` from the units' logs, in order: a later
+    unit's outcome of a test (the serial pass) replaces an earlier one and is marked
+    ``alone``; ``memory`` is the largest logged peak (GiB) per file."""
+    results, deselected, memory = {}, {}, {}
     for u in units:
+        alone = u.only is not None
         for rec in _records(u.log):
             event, nodeid = rec.get("event"), rec.get("nodeid")
             if event == "deselect":
@@ -175,6 +207,36 @@ def summarize(units, out, meta):
             elif event == "crash":
                 results[nodeid] = {"outcome": "crashed",
                                    "message": {"message": rec["message"], "where": ""}}
+            elif event == "memory":
+                memory[u.name] = max(memory.get(u.name, 0.0), rec["peak_gb"])
+            if alone and event in ("finish", "crash"):
+                results[nodeid]["alone"] = True
+    return results, deselected, memory
+
+
+def needs_alone(results) -> dict:
+    """``{file: [node id, ...]}`` of the failures to run again alone (NOTE [Environment
+    failures]): an environment message, or a process death not by the time limit."""
+    out = defaultdict(list)
+    for nodeid, r in results.items():
+        message = (r.get("message") or {}).get("message", "")
+        if r["outcome"] in FAILED and (is_env_failure(message) or (
+                r["outcome"] == "crashed" and _TIMEOUT_DEATH not in message)):
+            out[test_key(nodeid).split("::")[0]].append(nodeid)
+    return dict(out)
+
+
+def classify(results) -> None:
+    """Failures that keep an environment message after the serial pass become
+    ``env_failed`` (in place)."""
+    for r in results.values():
+        if r["outcome"] in FAILED and is_env_failure((r.get("message") or {}).get("message")):
+            r["outcome"] = "env_failed"
+
+
+def summarize(units, out, meta):
+    results, deselected, memory = read_results(units)
+    classify(results)
     files = {}
     functions = defaultdict(Counter)
     for nodeid, r in results.items():
@@ -191,7 +253,7 @@ def summarize(units, out, meta):
     groups = defaultdict(lambda: {"count": 0, "files": Counter(), "examples": [],
                                   "where": Counter()})
     for nodeid, r in sorted(results.items()):
-        if r["outcome"] not in ("failed", "error", "crashed"):
+        if r["outcome"] not in FAILED + ("env_failed",):
             continue
         msg = r.get("message") or {}
         g = groups[(r["outcome"], _group_key(msg.get("message", "")))]
@@ -214,6 +276,12 @@ def summarize(units, out, meta):
         "totals": {o: totals.get(o, 0) for o in OUTCOMES + ("deselected",)},
         "functions": {k: dict(c) for k, c in sorted(functions.items())},
         "chunks": {os.path.basename(u.log): {"runs": u.runs, "ended": u.ended} for u in units},
+        "run_alone": {o: sum(1 for r in results.values() if r.get("alone") and r["outcome"] == o)
+                      for o in OUTCOMES if o != "not_run"},
+        "env_failures": sorted(n for n, r in results.items() if r["outcome"] == "env_failed"),
+        "package_failures": sum(totals.get(o, 0) for o in FAILED),
+        "memory_peak_gb": {name: {"peak": round(gb, 2), "weight": memory_gb(name)}
+                           for name, gb in sorted(memory.items())},
         "failure_groups": failure_groups,
         "skip_reasons": dict(skip_reasons.most_common(30)),
         "deselection_reasons": dict(Counter(deselected.values()).most_common()),
@@ -230,8 +298,15 @@ def _markdown(report):
     meta, lines = report["meta"], []
     lines.append(f"# TE tests/pytorch against this package ({meta.get('device', '?')})\n")
     lines.append(f"{meta.get('package_commit', '?')}; torch {meta.get('torch', '?')}; "
-                 f"{meta.get('workers')} workers; {meta.get('wall_s', 0):.0f} s of a "
-                 f"{meta.get('budget_s')} s budget.\n")
+                 f"{meta.get('workers')} workers in {meta.get('memory_gb', 0):.0f} GiB; "
+                 f"{meta.get('wall_s', 0):.0f} s in all, of a {meta.get('budget_s')} s "
+                 f"budget and {meta.get('alone_budget_s')} s for the serial pass.\n")
+    alone = report["run_alone"]
+    lines.append(f"**{report['package_failures']}** failures of the package (failed, error, "
+                 f"crashed); **{len(report['env_failures'])}** of the environment "
+                 f"(env_failed: still out of memory / device busy / unknown error alone). "
+                 f"Run again alone: {sum(alone.values())} ("
+                 + ", ".join(f"{o} {c}" for o, c in alone.items() if c) + ").\n")
     head = ("file",) + OUTCOMES + ("deselected",)
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
@@ -251,8 +326,11 @@ def _markdown(report):
 # ---- main ----------------------------------------------------------------------------------
 
 def _device_and_versions(python, env):
-    probe = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'device': "
-             "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}))")
+    probe = ("import json, torch; c = torch.cuda.is_available(); "
+             "free, total = torch.cuda.mem_get_info() if c else (0, 0); "
+             "print(json.dumps({'torch': torch.__version__, 'device': "
+             "torch.cuda.get_device_name() if c else 'no CUDA', "
+             "'free_gb': free / 2**30, 'total_gb': total / 2**30}))")
     try:
         out = subprocess.run([python, "-c", probe], env=env, capture_output=True, text=True,
                              timeout=120).stdout.strip().splitlines()[-1]
@@ -271,6 +349,51 @@ def _package_commit():
                                           capture_output=True, text=True).stdout.strip()
     except OSError:
         return "commit ?"
+
+
+def admit(queue, running_gb: float, running: int, memory: float):
+    """Index of the first queued chunk that fits beside the running ones (a chunk
+    heavier than ``memory`` runs when nothing else does), or None."""
+    for i, u in enumerate(queue):
+        if running == 0 or running_gb + memory_gb(u.name) <= memory:
+            return i
+    return None
+
+
+def run_parallel(units, workers: int, memory: float, run_one) -> None:
+    """``run_one(unit)`` for every unit, on ``workers`` threads, the queue in order,
+    each start admitted by `admit`."""
+    queue, lock, used = list(units), threading.Condition(), {"gb": 0.0, "n": 0}
+
+    def next_unit():
+        with lock:
+            while queue:
+                i = admit(queue, used["gb"], used["n"], memory)
+                if i is not None:
+                    used["gb"] += memory_gb(queue[i].name)
+                    used["n"] += 1
+                    return queue.pop(i)
+                lock.wait()
+            return None
+
+    def worker():
+        while True:
+            unit = next_unit()
+            if unit is None:
+                return
+            try:
+                run_one(unit)
+            finally:
+                with lock:
+                    used["gb"] -= memory_gb(unit.name)
+                    used["n"] -= 1
+                    lock.notify_all()
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def main(argv):
@@ -292,47 +415,32 @@ def main(argv):
         os.remove(os.path.join(out, "logs", stale))
     python = os.environ.get("PYTHON", sys.executable)
     workers = int(os.environ.get("YARDSTICK_WORKERS", "12"))
-    budget = float(os.environ.get("YARDSTICK_BUDGET_S", "420"))
+    budget = float(os.environ.get("YARDSTICK_BUDGET_S", "400"))
+    alone_budget = float(os.environ.get("YARDSTICK_ALONE_BUDGET_S", "80"))
     test_timeout = float(os.environ.get("YARDSTICK_TEST_TIMEOUT_S", "120"))
     env = _env()
     meta = dict(_device_and_versions(python, env), tests_dir=tests_dir, workers=workers,
-                budget_s=budget, test_timeout_s=test_timeout, package_commit=_package_commit(),
-                k_expression=os.environ.get("YARDSTICK_K"),
+                budget_s=budget, alone_budget_s=alone_budget, test_timeout_s=test_timeout,
+                package_commit=_package_commit(), k_expression=os.environ.get("YARDSTICK_K"),
                 files=names)
+    meta["memory_gb"] = float(os.environ.get("YARDSTICK_MEMORY_GB") or
+                              0.9 * meta.get("free_gb", 0.0) or 80.0)
     start = time.time()
     deadline = start + budget
     units = [Unit(tests_dir, out, name, k, FILES[name]) for name in names
              for k in range(FILES[name])]
-    queue, lock, running = list(units), threading.Condition(), Counter()
-
-    def next_unit():
-        """The first queued chunk whose file is under its MAX_AT_ONCE (None: queue empty)."""
-        with lock:
-            while queue:
-                for i, u in enumerate(queue):
-                    if running[u.name] < MAX_AT_ONCE.get(u.name, len(units)):
-                        running[u.name] += 1
-                        return queue.pop(i)
-                lock.wait()
-            return None
-
-    def worker():
-        while True:
-            unit = next_unit()
-            if unit is None:
-                return
-            try:
-                unit.run(python, deadline, test_timeout, env)
-            finally:
-                with lock:
-                    running[unit.name] -= 1
-                    lock.notify_all()
-
-    threads = [threading.Thread(target=worker) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_parallel(units, workers, meta["memory_gb"],
+                 lambda unit: unit.run(python, deadline, test_timeout, env))
+    # the failures the shared card may have caused, again, one process at a time
+    alone_deadline = max(deadline, time.time()) + alone_budget
+    retry = needs_alone(read_results(units)[0])
+    for name, nodeids in sorted(retry.items()):
+        listing = os.path.join(out, "logs", f"{name[:-3]}.alone.txt")
+        with open(listing, "w") as f:
+            f.write("\n".join(nodeids) + "\n")
+        unit = Unit(tests_dir, out, name, 0, 1, only=listing)
+        units.append(unit)
+        unit.run(python, alone_deadline, test_timeout, env)
     meta["wall_s"] = time.time() - start
     # chunks the budget never reached: collect them, so that their tests count as not run
     idle = [u for u in units if u.runs == 0]

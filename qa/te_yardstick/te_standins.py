@@ -55,7 +55,6 @@ STANDIN_MODULES = {
     "transformer_engine.pytorch.attention.dot_product_attention.backends":
         "TE's attention backends",
     "transformer_engine.pytorch.attention.inference": "TE's KV-cache inference",
-    "transformer_engine.pytorch.ops.fused": "TE's fused operations (op fuser)",
     "transformer_engine.pytorch.custom_recipes": "TE's custom-recipe reference quantizers",
     "transformer_engine.pytorch.dynamo": "TE's torch.compile tensor specs",
     "transformer_engine.pytorch.jit": "TE's TorchScript/nvFuser fused elementwise functions",
@@ -258,6 +257,8 @@ def pytest_addoption(parser):
                     help="skip the tests the log has started (finished or crashed)")
     group.addoption("--yardstick-test-timeout", type=float, default=0.0,
                     help="seconds one test may run before the process is ended (0: no limit)")
+    group.addoption("--yardstick-only", default=None,
+                    help="a file of node ids, one a line: run only those (the serial re-run)")
     group.addoption("--yardstick-no-selection", action="store_true",
                     help="keep every collected test (for the scan of what a file uses)")
     group.addoption("--yardstick-cpu-collect", action="store_true",
@@ -339,6 +340,11 @@ def pytest_collection_modifyitems(session, config, items):
     if chunk:
         k, n = (int(v) for v in chunk.split("/"))
         keep = [item for i, item in enumerate(keep) if i % n == k]
+    only = config.getoption("--yardstick-only")
+    if only:
+        with open(only) as f:
+            wanted = set(f.read().split("\n"))
+        keep = [item for item in keep if item.nodeid in wanted]
     if config.getoption("--yardstick-resume"):
         started = _started(config.getoption("--yardstick-log"))
         keep = [item for item in keep if item.nodeid not in started]
@@ -371,6 +377,14 @@ _CONFIG = {}
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     _CONFIG["config"] = session.config
+
+
+def pytest_sessionfinish(session):
+    """The process's peak of CUDA memory reserved by torch's allocator (what the runner's
+    per-file memory weights are checked against)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        _log(session.config, event="memory", peak_gb=torch.cuda.max_memory_reserved() / 2**30)
 
 
 def pytest_collection_finish(session):

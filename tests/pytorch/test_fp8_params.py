@@ -6,6 +6,7 @@ GEMMs read as they are, optimizers and ``load_state_dict`` write by quantizing, 
 import copy
 import io
 import threading
+import warnings
 
 import pytest
 import torch
@@ -411,9 +412,19 @@ def test_aliases_share_and_copies_copy_the_fp8_bits():
         other._scale_inv, w._scale_inv)
 
 
-def test_quantized_tensor_is_abstract_and_float8_tensor_checks_its_parts():
-    with pytest.raises(TypeError, match="QuantizedTensor is an abstract base class"):
+def test_bare_quantized_tensor_and_float8_tensor_checks_its_parts():
+    """TE's ``QuantizedTensor(shape, dtype)``: metadata only, no views, no value."""
+    with pytest.raises(TypeError, match=r"QuantizedTensor\(shape, dtype\): shape must be"):
         QuantizedTensor(torch.zeros(2))
+    qt = QuantizedTensor((128, 64), torch.bfloat16, device="cpu")
+    assert (qt.shape, qt.dtype, qt.device, qt.stride()) == ((128, 64), torch.bfloat16,
+                                                              torch.device("cpu"), (64, 1))
+    for view in (lambda: qt.view(-1), lambda: qt[0], lambda: qt.t()):
+        with pytest.raises(NotImplementedError,
+                           match="QuantizedTensor class does not support tensor views"):
+            view()
+    with pytest.raises(NotImplementedError, match="QuantizedTensor holds no data"):
+        qt + 1
     with pytest.raises(TypeError, match="data must be a tensor of an FP8 dtype"):
         Float8Tensor(torch.zeros(2), torch.ones(1), torch.float32)
     with pytest.raises(TypeError, match="scale_inv must be a one-element float32 tensor"):
@@ -477,3 +488,30 @@ def test_views_read_and_write_through_to_the_fp8_data():
     x = torch.randn(4, 32)
     F.linear(x, w).sum().backward()
     assert torch.equal(w.grad, torch.ones(4, 16).t() @ x)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_new_history_length_warns_that_the_weight_quantizer_changes(kind):
+    """A module with FP8 primary weights run under a delayed-scaling recipe with another
+    history length than its model-init recipe quantizes its weights with the resized
+    state from then on: TE's "Quantizer is being updated" UserWarning; the same length
+    (other settings) and a module without FP8 weights stay silent."""
+    make, _ = _MODULES[kind]
+    with te.quantized_model_init(recipe=DelayedScaling(amax_history_len=16)):
+        module = make("cpu")
+    plain = make("cpu")
+    x = torch.randn(32, 32)
+
+    def run(m, recipe):
+        with te.autocast(recipe=recipe):
+            return m(x, [32, 0]) if kind == "GroupedLinear" else m(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(module, DelayedScaling(amax_history_len=16, margin=1))
+        run(plain, DelayedScaling(amax_history_len=16))
+        run(plain, DelayedScaling(amax_history_len=1))
+    with pytest.warns(UserWarning, match="Quantizer is being updated, this may affect model "
+                                         "behavior"):
+        run(module, DelayedScaling(amax_history_len=1))
+    assert module.fp8_meta["scaling_fwd"].amax_history.shape[0] == 1

@@ -459,9 +459,10 @@ def test_cpu_delayed_scaling_update_is_the_formulas():
     h = torch.tensor([[2.0, 0.0, 0.0], [8.0, 1.0, 0.0], [4.0, 4.0, 0.0]])
     s = torch.tensor([1.0, 5.0, 7.0])
     scale, scale_inv, hist = delayed_scaling.delayed_scaling_update(h, s, 448.0, 1, "max")
-    assert torch.equal(scale, torch.tensor([448.0 / 8 / 2, 448.0 / 4 / 2, 7.0]))  # amax 0: kept
+    # a live amax of 0 (columns 1, 2: none recorded) keeps the scale and the history
+    assert torch.equal(scale, torch.tensor([448.0 / 8 / 2, 5.0, 7.0]))
     assert torch.equal(scale_inv, 1 / scale)
-    assert torch.equal(hist, torch.tensor([[0.0, 0.0, 0.0], [4.0, 4.0, 0.0], [2.0, 0.0, 0.0]]))
+    assert torch.equal(hist, torch.tensor([[0.0, 0.0, 0.0], [4.0, 1.0, 0.0], [2.0, 4.0, 0.0]]))
 
 
 def test_cpu_path_imports_no_triton():

@@ -9,7 +9,8 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import quantize
-from helpers import REENTRANT, assert_runs_equal, capture, linears, maybe_checkpoint, params
+from helpers import (DEVICES, REENTRANT, assert_runs_equal, capture, linears, maybe_checkpoint,
+                     params)
 
 RECIPES = [pytest.param(DelayedScaling(amax_history_len=4), id="delayed"),
            pytest.param(Float8CurrentScaling(), id="current")]
@@ -91,3 +92,40 @@ def test_bad_is_first_microbatch():
     (a,) = linears(1)
     with pytest.raises(TypeError, match="is_first_microbatch must be None, True or False, got 1"):
         a(torch.randn(16, 32), is_first_microbatch=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_reused_weight_keeps_its_amax_history_and_scale(device, algo):
+    """Three steps, ``is_first_microbatch`` True, False, None: the input's history
+    rolls every step; the weight's records an amax on True and None and is left
+    alone on False (no amax recorded: no roll, same scale), as TE's update does."""
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo, margin=1)
+    (lin,) = linears(1, device=device)
+    state = lin.fp8_meta["scaling_fwd"]
+    xs = [torch.randn(16, 32, device=device) * m for m in (1.0, 3.0, 0.5)]
+    x_amax = [x.abs().max().item() for x in xs]
+    w_amax, scales, histories = [], [], []
+    for step, first in enumerate([True, False, None]):
+        if step == 2:
+            with torch.no_grad():
+                lin.weight.mul_(2.0)             # the uncached step sees a new amax
+        w_amax.append(lin.weight.abs().max().item())
+        with te.autocast(recipe=recipe):
+            y = lin(xs[step], is_first_microbatch=first)
+        y.sum().backward()
+        scales.append(state.scale.clone())
+        histories.append(state.amax_history.clone())
+    expect_x = torch.tensor([0.0, *x_amax], device=device)
+    expect_w = torch.tensor([0.0, 0.0, w_amax[0], w_amax[2]], device=device)
+    assert torch.equal(histories[-1][:, 0], expect_x)
+    assert torch.equal(histories[-1][:, 1], expect_w)
+    assert torch.equal(histories[1][:, 1], histories[0][:, 1])       # False: untouched
+    assert not torch.equal(histories[1][:, 0], histories[0][:, 0])
+    assert scales[1][1] == scales[0][1]                                # False: same scale
+    fp8_max = recipe.fp8_format.value.max_fwd
+    for step, col, expect in ((0, 1, w_amax[0]), (1, 0, max(x_amax[:2]) if algo == "max"
+                                                   else x_amax[1]), (2, 1, w_amax[2])):
+        amax = torch.tensor(expect, dtype=torch.float32)
+        want = (torch.reciprocal(amax) * fp8_max) / 2
+        assert scales[step][col].item() == pytest.approx(want.item(), rel=1e-6), (step, col)

@@ -9,6 +9,9 @@ NOTE [Delayed-scaling update order]
     autocast, per thread). When that outermost autocast exits, every registered
     module's forward state is updated at once, per (recipe, group): one concatenated
     buffer, one optional MAX all-reduce, new scales from the history, history rolled.
+    A tensor whose live amax is 0 at the update (none recorded: the cached FP8 weight
+    of an ``is_first_microbatch=False`` forward, NOTE [FP8 weight cache]) keeps its
+    history and its scale, as TE's update kernel does (`delayed_scaling.idle_columns`).
     Each FP8 module call carries its session into its autograd context; its backward
     asks for the session's backward update (`request_backward_update`), which runs
     once per backward pass, when the pass ends (an autograd final callback), for
@@ -210,18 +213,21 @@ def _custom_update(histories, scales, scale_invs, max_value: float, recipe: Dela
     """The update with the recipe's ``scaling_factor_compute_algo``, on the same
     sanitized history (NOTE [Non-finite amaxes])."""
     sizes = [s.numel() for s in scales]
-    history, finite = delayed_scaling.sanitize_live_amax(torch.cat(histories, dim=1))
+    history = torch.cat(histories, dim=1)
+    idle = delayed_scaling.idle_columns(history)
+    history, finite = delayed_scaling.sanitize_live_amax(history)
     counter.add_((~finite).sum())
     scale = torch.cat(scales)
     amax_value = delayed_scaling.amax_from_history(history, recipe.amax_compute_algo)
     new_scale = recipe.scaling_factor_compute_algo(
         amax_value, scale, torch.full_like(scale, max_value), recipe)
     checked = delayed_scaling.check_computed_scale(new_scale, scale, amax_value)
-    new_scale = torch.where(finite, checked, scale)
+    new_scale = torch.where(finite & ~idle, checked, scale)
+    new_history = torch.where(idle, history, delayed_scaling.roll_amax_history(history))
     delayed_scaling.copy_all(
         [t for group in (scales, scale_invs, histories) for t in group],
         list(new_scale.split(sizes)) + list(torch.reciprocal(new_scale).split(sizes))
-        + list(delayed_scaling.roll_amax_history(history).split(sizes, dim=1)))
+        + list(new_history.split(sizes, dim=1)))
 
 
 # ---- backward updates, once per backward pass ------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from .quantize import fused_kernels, fused_or_none
 
 __all__ = ["amax_from_history", "scale_from_amax", "roll_amax_history", "resize_amax_history",
-           "sanitize_live_amax", "check_computed_scale", "delayed_scaling_update",
+           "sanitize_live_amax", "idle_columns", "check_computed_scale", "delayed_scaling_update",
            "delayed_scaling_update_", "copy_all"]
 
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -95,6 +95,16 @@ def roll_amax_history(history: torch.Tensor) -> torch.Tensor:
     return rolled
 
 
+def idle_columns(history: torch.Tensor) -> torch.Tensor:
+    """The columns of ``history [L, n]`` whose live amax (row 0) is exactly 0: no
+    amax was recorded for them since the last update (a cached FP8 weight reused with
+    ``is_first_microbatch=False``, a module whose backward saw all-zero gradients).
+    As in TE's update kernel, such a column is left alone: its history does not roll
+    and its scale stays. A non-finite live amax is not idle (NOTE [Non-finite amaxes]
+    in non_finite.py)."""
+    return history[0] == 0
+
+
 def sanitize_live_amax(history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``history [L, n]`` with non-finite live amaxes (row 0) replaced by 0, and the
     mask of the finite ones (NOTE [Non-finite amaxes] in amax_update.py)."""
@@ -123,18 +133,23 @@ def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, max_value
     """The delayed-scaling update of ``n`` tensors at once, as new tensors: ``(new_scale,
     new_scale_inv, new_history)`` from ``history [L, n]`` and ``scale [n]`` (amax from
     the history by ``algo``, scale from amax, ``1 / scale``, history rolled). A
-    non-finite live amax keeps its scale and enters the history as 0. These are the
+    non-finite live amax keeps its scale and enters the history as 0; a column with
+    a live amax of 0 keeps its scale and its history (`idle_columns`). These are the
     reference formulas; `delayed_scaling_update_` applies them in place."""
+    idle = idle_columns(history)
     history, finite = sanitize_live_amax(history)
-    return _update_from_clean(history, finite, scale, max_value, margin, algo)
+    return _update_from_clean(history, finite, idle, scale, max_value, margin, algo)
 
 
-def _update_from_clean(history: torch.Tensor, finite: torch.Tensor, scale: torch.Tensor,
-                       max_value: float, margin: int, algo):
-    """`delayed_scaling_update` on a history `sanitize_live_amax` has cleaned."""
+def _update_from_clean(history: torch.Tensor, finite: torch.Tensor, idle: torch.Tensor,
+                       scale: torch.Tensor, max_value: float, margin: int, algo):
+    """`delayed_scaling_update` on a history `sanitize_live_amax` has cleaned; ``idle``
+    from `idle_columns` of the history before cleaning."""
     amax_value = amax_from_history(history, algo)
-    new_scale = torch.where(finite, scale_from_amax(amax_value, scale, max_value, margin), scale)
-    return new_scale, torch.reciprocal(new_scale), roll_amax_history(history)
+    new_scale = torch.where(finite & ~idle,
+                            scale_from_amax(amax_value, scale, max_value, margin), scale)
+    new_history = torch.where(idle, history, roll_amax_history(history))
+    return new_scale, torch.reciprocal(new_scale), new_history
 
 
 def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
@@ -155,11 +170,13 @@ def delayed_scaling_update_(histories: Sequence[torch.Tensor], scales: Sequence[
                               max_value, margin, algo, non_finite)):
         return
     sizes = [s.numel() for s in scales]
-    history, finite = sanitize_live_amax(torch.cat(list(histories), dim=1))
+    history = torch.cat(list(histories), dim=1)
+    idle = idle_columns(history)
+    history, finite = sanitize_live_amax(history)
     if non_finite is not None:
         non_finite.add_((~finite).sum())
     new_scale, new_scale_inv, new_history = _update_from_clean(
-        history, finite, torch.cat(list(scales)), max_value, margin, algo)
+        history, finite, idle, torch.cat(list(scales)), max_value, margin, algo)
     copy_all(list(scales) + list(scale_invs) + list(histories),
              list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes))
              + list(new_history.split(sizes, dim=1)))

@@ -1,7 +1,8 @@
 """Triton kernel of the in-place delayed-scaling update of many modules' states in one
 launch: roll each amax history, compute each new scale and ``1 / scale`` as
-`delayed_scaling.delayed_scaling_update` does (bit for bit), and count non-finite live
-amaxes (NOTE [Non-finite amaxes] in non_finite.py). Reached through `casts`.
+`delayed_scaling.delayed_scaling_update` does (bit for bit; a column whose live amax
+is 0 keeps its history and scale), and count non-finite live amaxes (NOTE
+[Non-finite amaxes] in non_finite.py). Reached through `casts`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ if AVAILABLE:
         # A non-finite live amax keeps its scale and enters the history as 0.
         finite = tl.abs(raw) <= FP32_MAX                      # NaN fails, inf fails
         live = tl.where(finite, raw, 0.0)
+        # A live amax of 0 (none recorded) leaves the column alone: no roll, same scale.
+        busy = raw != 0.0
+        wmask = cmask & busy
         if COUNT:
             tl.atomic_add(count_ptr, tl.sum((~finite).to(tl.int32), axis=0))
         amax = live
@@ -57,17 +61,17 @@ if AVAILABLE:
             if ALGO_MAX:
                 amax = max_nan(amax, tl.reduce(h, 0, max_nan))
             tl.debug_barrier()
-            tl.store(hist_ptr + offs - n, h, mask=m)
+            tl.store(hist_ptr + offs - n, h, mask=m & busy[None, :])
         tl.debug_barrier()
         # old row 0 goes to the end, then the new live row 0 is zeroed
         if L > 1:
-            tl.store(hist_ptr + (L - 1) * n + cols, live, mask=cmask)
+            tl.store(hist_ptr + (L - 1) * n + cols, live, mask=wmask)
             tl.debug_barrier()
-        tl.store(hist_ptr + cols, tl.zeros_like(live), mask=cmask)
+        tl.store(hist_ptr + cols, tl.zeros_like(live), mask=wmask)
         old = tl.load(scale_ptr + cols, mask=cmask, other=1.0)
         # as the torch formula computes it: reciprocal(amax) * max, then / 2**margin
         new = tl.div_rn(1.0, amax) * max_value * margin_factor
-        ok = finite & (amax > 0) & (amax <= FP32_MAX)   # positive and finite
+        ok = busy & finite & (amax > 0) & (amax <= FP32_MAX)   # positive and finite
         new = tl.minimum(tl.where(ok, new, old), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(scale_ptr + cols, new, mask=cmask)
         tl.store(scale_inv_ptr + cols, tl.div_rn(1.0, new), mask=cmask)

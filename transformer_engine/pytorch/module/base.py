@@ -31,8 +31,7 @@ __all__ = ["TransformerEngineBaseModule"]
 #     before anything reads it, as TE's prepare_forward does. A strided input (a
 #     transposed view) would otherwise take other kernels (a GEMM with a transposed
 #     operand, a reduction in another order) and give other bits, in high precision
-#     and in FP8 alike; so a module's outputs and gradients never depend on its
-#     input's strides.
+#     and in FP8 alike; so outputs and gradients never depend on the input's strides.
 
 
 def _no_stash_swapped_in(module) -> recompute.RecomputeStateError:
@@ -232,7 +231,8 @@ class TransformerEngineBaseModule(ParameterInitMixin):
         the recipe's is resized, keeping the scales and the most recent amaxes
         (`delayed_scaling.resize_amax_history`), never discarded. A recipe of an
         unrelated class (neither a subclass of the other) than the module's last one
-        warns, as TE's modules do when they rebuild their quantizers."""
+        warns, as TE's modules do when they rebuild their quantizers; so does a new history
+        length for FP8 primary weights, quantized with the resized state from then on."""
         old = self.fp8_meta["recipe"]
         if old is not None and not (isinstance(recipe, type(old)) or isinstance(old, type(recipe))):
             warnings.warn(f"{self.named_api(type(self).__name__)}: Recipe type changed from "
@@ -245,6 +245,9 @@ class TransformerEngineBaseModule(ParameterInitMixin):
             if state is None:
                 self.init_fp8_meta_tensors(recipe)
             elif state.amax_history.shape[0] != recipe.amax_history_len:
+                if self.primary_weights_in_fp8:
+                    warnings.warn("Quantizer is being updated, this may affect model behavior",
+                                  UserWarning, stacklevel=4)
                 for key in ("scaling_fwd", "scaling_bwd"):
                     s = self.fp8_meta[key]
                     history = delayed_scaling.resize_amax_history(s.amax_history,

@@ -4,7 +4,9 @@ block scaling), and, for weights, the FP8 weight cache and its device-side skip 
 NOTE [FP8 weight cache]
     As in TE, ``is_first_microbatch=True`` casts the weight and keeps the cast in the
     module; ``False`` reuses that cast (the weights do not change between the
-    micro-batches of a step), recording no amax for it; ``None`` casts every time and
+    micro-batches of a step), recording no amax for it, so the next update leaves the
+    weight's amax history and scale as they are (NOTE [Delayed-scaling update order]
+    in amax_update.py); ``None`` casts every time and
     keeps nothing. With a cache in use, a recompute uses the FP8 weights its own phase
     1 used (held in its stash), never the cache, which a later first micro-batch may
     have refreshed; it writes no cache either. Without one, the recompute casts the

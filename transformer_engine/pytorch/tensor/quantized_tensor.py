@@ -85,22 +85,44 @@ class Quantizer:
 
 
 class QuantizedTensor(torch.Tensor):
-    """Base of the tensors stored quantized (NOTE [Quantized tensor semantics]). Not
-    constructible itself. A kind implements `plain`, `_store` (write a quantizer's
-    output into its storage), `_storage` / `_rebuilt` (its inner tensors, and a tensor
-    of the same kind on other ones) and `_default_quantizer`."""
+    """Base of the tensors stored quantized (NOTE [Quantized tensor semantics]). A kind
+    implements `plain`, `_store` (write a quantizer's output into its storage),
+    `_storage` / `_rebuilt` (its inner tensors, and a tensor of the same kind on other
+    ones) and `_default_quantizer`.
+
+    ``QuantizedTensor(shape, dtype, *, requires_grad=False, device=None, stride=None)``
+    is TE's constructor of the base itself: a tensor of that shape, nominal dtype and
+    device that holds no data (the device defaults to the current CUDA device, or the
+    CPU without CUDA). It answers metadata queries; a view of it raises TE's
+    ``NotImplementedError`` ("QuantizedTensor class does not support tensor views"),
+    and an op that reads its value says it holds none."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    def __new__(cls, *args, **kwargs):
-        raise TypeError("transformer_engine.pytorch.tensor.QuantizedTensor is an abstract base "
-                        "class; Float8Tensor and Float8BlockwiseQTensor are the quantized "
-                        "tensors this package makes")
+    def __new__(cls, shape=None, dtype=None, *, requires_grad: bool = False, device=None,
+                stride=None, **kwargs):
+        if cls is not QuantizedTensor:
+            raise TypeError(f"{cls.__name__} must define its own constructor")
+        if kwargs:
+            raise TypeError(f"QuantizedTensor: unexpected keyword arguments {sorted(kwargs)}")
+        if isinstance(shape, torch.Tensor) or shape is None or dtype not in NOMINAL_DTYPES:
+            raise TypeError("QuantizedTensor(shape, dtype): shape must be a sequence of ints "
+                            f"and dtype one of {NOMINAL_DTYPES}, got {type(shape).__name__} and "
+                            f"{dtype} (Float8Tensor and Float8BlockwiseQTensor hold data)")
+        shape = torch.Size(shape)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+        stride = torch.empty(shape, device="meta").stride() if stride is None else stride
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=tuple(stride), dtype=dtype, device=torch.device(device),
+            requires_grad=requires_grad)
 
     def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The dequantized value (in ``dtype``, the nominal one when None), outside
         autograd."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} holds no data: only its kinds "
+                                  "(Float8Tensor, Float8BlockwiseQTensor) have a value")
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The value as an ordinary tensor (``dtype``: the nominal one when None); a
@@ -178,6 +200,8 @@ class QuantizedTensor(torch.Tensor):
                 and not isinstance(args[0], QuantizedView):
             return special(args, kwargs)
         if func.is_view and args and isinstance(args[0], QuantizedTensor):
+            if type(args[0]) is QuantizedTensor:        # the bare base (TE's message)
+                raise NotImplementedError("QuantizedTensor class does not support tensor views")
             return QuantizedView.of(args[0], func, args[1:], kwargs)
         return _call_dequantized(func, args, kwargs)
 
