@@ -94,8 +94,8 @@ class QuantizedTensor(torch.Tensor):
 
     def __new__(cls, *args, **kwargs):
         raise TypeError("transformer_engine.pytorch.tensor.QuantizedTensor is an abstract base "
-                        "class; Float8Tensor and Float8BlockwiseQTensor are the quantized "
-                        "tensors this package makes")
+                        "class; Float8Tensor, Float8BlockwiseQTensor, MXFP8Tensor and NVFP4Tensor "
+                        "are the quantized tensors this package makes")
 
     def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The dequantized value (in ``dtype``, the nominal one when None), outside
