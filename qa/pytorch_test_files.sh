@@ -14,6 +14,7 @@ TESTS=(
     tests/pytorch/test_block_gemm_routing.py
     tests/pytorch/test_mx_formats.py
     tests/pytorch/test_mx_modules.py
+    tests/pytorch/test_mx_params.py
     tests/pytorch/test_backward_override.py
     tests/pytorch/test_fp8_shapes.py
     tests/pytorch/test_fp8_autocast.py

@@ -16,70 +16,25 @@ NOTE [Recipe validation]
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
-from .recipe_fields import (MMParams, QParams, ReadOnlyWhenCopied, check_bool, check_mmparams,
-                            check_qparams, validated_copy)
+from .recipe_base import (BACKWARD_OVERRIDES, Format, Recipe, _check_backward_override,
+                          _check_format, _env_backward_override)
+# pickles of a Format name these here (TE's and this package's earlier payloads)
+from .recipe_base import _FormatHelper, _FormatSpec  # noqa: F401
+from .recipe_fields import MMParams, QParams, check_bool, check_mmparams, check_qparams, validated_copy
+from .recipe_mx import FP4QParams, MXFP8BlockScaling, NVFP4BlockScaling
 
 __all__ = ["Format", "Recipe", "QParams", "MMParams", "DelayedScaling", "Float8CurrentScaling",
            "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling", "FP4QParams",
            "max_margin",
            "MAX_AMAX_HISTORY_LEN", "validated_copy", "BACKWARD_OVERRIDES"]
 
-
-class _FormatSpec(NamedTuple):
-    """Largest finite value and torch dtype of the forward and backward FP8 types."""
-
-    max_fwd: float
-    max_bwd: float
-    dtype_fwd: torch.dtype
-    dtype_bwd: torch.dtype
-
-
-class Format(enum.Enum):
-    """FP8 format pairs.
-
-    ``E4M3``: E4M3 for forward tensors and gradients (max 448).
-    ``E5M2``: E5M2 both ways (max 57344); not usable for training GEMMs.
-    ``HYBRID``: E4M3 forward (inputs, weights), E5M2 backward (output gradients).
-    ``E2M1``: FP4 (max 6), the values of NVFP4BlockScaling (its ``fp4_format``); the
-    torch dtype is the packed ``float4_e2m1fn_x2``. Not an FP8 recipe's format.
-    """
-
-    E4M3 = _FormatSpec(448.0, 448.0, torch.float8_e4m3fn, torch.float8_e4m3fn)
-    E5M2 = _FormatSpec(57344.0, 57344.0, torch.float8_e5m2, torch.float8_e5m2)
-    E2M1 = _FormatSpec(6.0, 6.0, torch.float4_e2m1fn_x2, torch.float4_e2m1fn_x2)
-    HYBRID = _FormatSpec(448.0, 57344.0, torch.float8_e4m3fn, torch.float8_e5m2)
-
-    @classmethod
-    def _missing_(cls, value):
-        # NVIDIA's TE pickles a Format by its value, a (max_fwd, max_bwd) pair
-        # (`_FormatHelper`): the member with those maxima
-        if isinstance(value, tuple) and len(value) == 2:
-            for member in cls:
-                if (member.value.max_fwd, member.value.max_bwd) == tuple(value):
-                    return member
-        return None
-
-    def __reduce_ex__(self, protocol):
-        # pickled as NVIDIA's TE pickles a Format, by a `_FormatHelper` value, so that
-        # a pickle of a recipe names no torch dtype (Megatron's allow-list unpickler
-        # reads FP8 extra state)
-        return type(self), (_FormatHelper(self.value.max_fwd, self.value.max_bwd),)
-
-
-class _FormatHelper(NamedTuple):
-    """The value NVIDIA's TE gives a `Format` member, and pickles it by: its maxima.
-    Defined under TE's name so that recipes TE pickled (in FP8 extra state) load."""
-
-    max_fwd: float
-    max_bwd: float
 
 
 _AMAX_ALGOS = ("max", "most_recent")
@@ -113,77 +68,6 @@ def max_margin(fp8_format: Format) -> int:
     fp8_max = min(spec.max_fwd, spec.max_bwd)
     return math.floor(math.log2(fp8_max / _FP32.max / _FP32.tiny))
 
-
-class Recipe(ReadOnlyWhenCopied):
-    """Base class of the FP8 recipes, with TE's kind predicates. Fields may be set
-    after construction; ``te.autocast`` checks them again (NOTE [Recipe validation])."""
-
-    def delayed(self) -> bool:
-        """Whether this recipe keeps delayed-scaling state (amax history, scale)."""
-        return isinstance(self, DelayedScaling)
-
-    def float8_current_scaling(self) -> bool:
-        """Whether this recipe scales each tensor from its own amax at cast time."""
-        return isinstance(self, Float8CurrentScaling)
-
-    def float8_per_tensor_scaling(self) -> bool:
-        """One scale per tensor: delayed or current scaling."""
-        return self.delayed() or self.float8_current_scaling()
-
-    def float8_block_scaling(self) -> bool:
-        return isinstance(self, Float8BlockScaling)
-
-    def mxfp8(self) -> bool:
-        return isinstance(self, MXFP8BlockScaling)
-
-    def nvfp4(self) -> bool:
-        return isinstance(self, NVFP4BlockScaling)
-
-    def custom(self) -> bool:
-        return False
-
-    def implemented(self) -> bool:
-        """Whether this package runs this recipe's casts and GEMMs."""
-        return (self.float8_per_tensor_scaling() or self.float8_block_scaling()
-                or self.mxfp8() or self.nvfp4())
-
-    def validate(self) -> None:
-        """Check every field; raise TypeError / ValueError naming the first bad one."""
-
-    def __post_init__(self):
-        self.validate()
-
-
-BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
-
-
-def _env_backward_override() -> Optional[str]:
-    """TE's default of ``backward_override``: ``NVTE_BACKWARD_OVERRIDE``, read when the
-    recipe is constructed (unset: None)."""
-    return os.environ.get("NVTE_BACKWARD_OVERRIDE")
-
-
-def _check_backward_override(name: str, value, stateless: bool = True) -> None:
-    """NOTE [Backward override] in pytorch/module/backward_override.py."""
-    if value not in BACKWARD_OVERRIDES:
-        raise ValueError(f"{name}: backward_override (NVTE_BACKWARD_OVERRIDE) must be None, "
-                         f"'high_precision' or 'dequantized', got {value!r}")
-    if value is not None and not stateless:
-        raise ValueError(f"{name}: delayed scaling only supports backward_override=None, got "
-                         f"{value!r}; use Float8CurrentScaling or Float8BlockScaling, or unset "
-                         "NVTE_BACKWARD_OVERRIDE")
-
-
-def _check_format(name: str, fp8_format) -> None:
-    if not isinstance(fp8_format, Format):
-        raise TypeError(f"{name}: fp8_format must be a transformer_engine.common.recipe.Format, "
-                        f"got {fp8_format!r}")
-    if fp8_format is Format.E2M1:
-        raise ValueError(f"{name}: fp8_format=Format.E2M1 is an FP4 format; use Format.HYBRID "
-                         "or Format.E4M3 (NVFP4BlockScaling takes E2M1 as its fp4_format)")
-    if fp8_format is Format.E5M2:
-        raise ValueError(f"{name}: fp8_format=Format.E5M2 is not supported for training "
-                         "(an E5M2 x E5M2 GEMM is not available); use Format.HYBRID or Format.E4M3")
 
 
 def _check_common(recipe, quant_and_gemm: bool = True) -> None:
@@ -258,6 +142,9 @@ class DelayedScaling(Recipe):
 
     def __post_init__(self, params_dtype=None, device=None):
         self.validate()
+
+    def delayed(self) -> bool:
+        return True
 
     def validate(self) -> None:
         name = "DelayedScaling"
@@ -335,6 +222,9 @@ class Float8CurrentScaling(Recipe):
     fp8_mha: bool = False
     backward_override: Optional[str] = field(default_factory=_env_backward_override)
 
+    def float8_current_scaling(self) -> bool:
+        return True
+
     def validate(self) -> None:
         _check_common(self)
         _check_backward_override("Float8CurrentScaling", self.backward_override)
@@ -400,6 +290,9 @@ class Float8BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: Optional[str] = field(default_factory=_env_backward_override)
 
+    def float8_block_scaling(self) -> bool:
+        return True
+
     def validate(self) -> None:
         name = "Float8BlockScaling"
         _check_common(self)
@@ -417,146 +310,3 @@ class Float8BlockScaling(Recipe):
                                  "2D-scaled operands, which TE does not support; at most one "
                                  "operand of each GEMM may use 128x128 blocks")
 
-
-@dataclass(unsafe_hash=True)
-class MXFP8BlockScaling(Recipe):
-    """MXFP8: FP8 values with one E8M0 (power-of-two) scale per 32 consecutive values,
-    from the block's own amax at cast time (TE's rounding of the exponent: up).
-    Stateless. Emulated exactly on every device (NOTE [MXFP8 layout and rounding] in
-    ``transformer_engine/pytorch/mx_scaling.py``): Blackwell's MX tensor cores are not
-    used.
-
-    Parameters
-    ----------
-    margin : int, default 0
-        TE's field, unused by its MXFP8 recipe too.
-    fp8_format : Format, default Format.E4M3
-        E4M3 both ways, or HYBRID (E5M2 output gradients); E5M2 is refused.
-    enable_2d_quantization : bool, default False
-        Weights in 32x32 tiles (one scale per tile) instead of 1x32 blocks.
-    fp8_dpa, fp8_mha : bool, default False
-        FP8 attention: not implemented; True raises NotImplementedError when an
-        autocast enables the recipe.
-    backward_override : None | "high_precision" | "dequantized", default ``NVTE_BACKWARD_OVERRIDE``
-        As for Float8CurrentScaling (NOTE [Backward override] in
-        ``transformer_engine/pytorch/module/backward_override.py``).
-    """
-
-    margin: int = 0
-    fp8_format: Format = Format.E4M3
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    backward_override: Optional[str] = field(default_factory=_env_backward_override)
-    enable_2d_quantization: bool = False
-
-    def validate(self) -> None:
-        name = "MXFP8BlockScaling"
-        _check_format(name, self.fp8_format)
-        for flag in ("fp8_dpa", "fp8_mha", "enable_2d_quantization"):
-            check_bool(name, flag, getattr(self, flag))
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int):
-            raise TypeError(f"{name}: margin must be an int, got {self.margin!r}")
-        _check_backward_override(name, self.backward_override)
-
-
-class FP4QParams(NamedTuple):
-    """How NVFP4BlockScaling quantizes the tensors of one role: TE's QParams fields
-    (read-only here, derived from the recipe's ``disable_*`` switches)."""
-
-    power_2_scale: bool = False
-    amax_epsilon: float = 0.0
-    random_hadamard_transform: bool = False
-    stochastic_rounding: bool = False
-    fp4_2d_quantization: bool = False
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0") == "1"
-
-
-_NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
-
-
-@dataclass(unsafe_hash=True)
-class NVFP4BlockScaling(Recipe):
-    """NVFP4: E2M1 values with an E4M3 scale per 16 values plus a per-tensor float32
-    scale. Stateless. Emulated exactly on every device (NOTE [NVFP4 layout and
-    rounding] in ``transformer_engine/pytorch/nvfp4_scaling.py``).
-
-    Parameters
-    ----------
-    disable_rht : bool, default ``NVTE_NVFP4_DISABLE_RHT=1``
-        No random Hadamard transform (else applied to the columnwise copies of inputs
-        and output gradients: the wgrad GEMM's operands).
-    disable_stochastic_rounding : bool, default ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1``
-        Round output gradients to nearest (else stochastically).
-    disable_2d_quantization : bool, default ``NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1``
-        Weights in 1x16 blocks (else 16x16 tiles).
-    row_scaled_activation : bool, default False
-        TE's per-row amax for activations: not implemented (True raises).
-    nvfp4_4over6, nvfp4_4over6_e4m3_use_256, nvfp4_4over6_err_mode
-        TE's 4over6 block scaling: only ``nvfp4_4over6="none"`` is implemented; the other
-        two are checked and unused then.
-    fp4_format : Format, default Format.E2M1 (the only one)
-    fp8_format : Format, default Format.E4M3 (the only one: the block scales' format)
-    fp8_dpa, fp8_mha : bool, default False
-        FP8 attention: not implemented; True raises NotImplementedError when an
-        autocast enables the recipe.
-    backward_override : None | "high_precision" | "dequantized", default ``NVTE_BACKWARD_OVERRIDE``
-
-    ``fp4_quant_fwd_inp``, ``fp4_quant_fwd_weight`` and ``fp4_quant_bwd_grad`` are TE's
-    derived `FP4QParams` of each role, read-only.
-    """
-
-    disable_rht: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_RHT"))
-    disable_stochastic_rounding: bool = field(
-        default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
-    disable_2d_quantization: bool = field(
-        default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
-    row_scaled_activation: bool = False
-    nvfp4_4over6: str = "none"
-    nvfp4_4over6_e4m3_use_256: str = "all"
-    nvfp4_4over6_err_mode: str = "MAE"
-    fp4_format: Format = Format.E2M1
-    fp8_format: Format = Format.E4M3
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    backward_override: Optional[str] = field(default_factory=_env_backward_override)
-
-    def validate(self) -> None:
-        name = "NVFP4BlockScaling"
-        for flag in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
-                     "row_scaled_activation", "fp8_dpa", "fp8_mha"):
-            check_bool(name, flag, getattr(self, flag))
-        if self.fp4_format is not Format.E2M1:
-            raise ValueError(f"{name}: fp4_format must be Format.E2M1, got {self.fp4_format!r}")
-        if self.fp8_format is not Format.E4M3:
-            raise ValueError(f"{name}: fp8_format (the block scales' format) must be "
-                             f"Format.E4M3, got {self.fp8_format!r}")
-        for scope in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
-            if getattr(self, scope) not in _NVFP4_4OVER6_SCOPES:
-                raise ValueError(f"{name}: {scope} must be one of {_NVFP4_4OVER6_SCOPES}, "
-                                 f"got {getattr(self, scope)!r}")
-        if self.nvfp4_4over6_err_mode not in ("MAE", "MSE"):
-            raise ValueError(f"{name}: nvfp4_4over6_err_mode must be 'MAE' or 'MSE', "
-                             f"got {self.nvfp4_4over6_err_mode!r}")
-        if self.nvfp4_4over6 != "none":
-            raise NotImplementedError(f"{name}: nvfp4_4over6={self.nvfp4_4over6!r} (4over6 "
-                                      "block scaling) is not implemented; use 'none'")
-        if self.row_scaled_activation:
-            raise NotImplementedError(f"{name}: row_scaled_activation=True (per-row amaxes) is "
-                                      "not implemented")
-        _check_backward_override(name, self.backward_override)
-
-    @property
-    def fp4_quant_fwd_inp(self) -> FP4QParams:
-        return FP4QParams(random_hadamard_transform=not self.disable_rht)
-
-    @property
-    def fp4_quant_fwd_weight(self) -> FP4QParams:
-        return FP4QParams(fp4_2d_quantization=not self.disable_2d_quantization)
-
-    @property
-    def fp4_quant_bwd_grad(self) -> FP4QParams:
-        return FP4QParams(random_hadamard_transform=not self.disable_rht,
-                          stochastic_rounding=not self.disable_stochastic_rounding)

@@ -62,11 +62,11 @@ def _model_init(api: str, enabled, recipe, preserve_high_precision_init_val):
     checked = None
     if enabled:
         checked = validated_copy(recipe if recipe is not None else DelayedScaling())
-        # (MXFP8 and NVFP4 run in te.autocast, but have no quantized parameter class)
-        if not checked.implemented() or checked.mxfp8() or checked.nvfp4():
+        if not checked.implemented():
             raise NotImplementedError(
                 f"{api}(enabled=True, recipe={type(checked).__name__}): FP8 primary weights are "
-                "implemented for DelayedScaling, Float8CurrentScaling and Float8BlockScaling")
+                "implemented for DelayedScaling, Float8CurrentScaling, Float8BlockScaling, "
+                "MXFP8BlockScaling and NVFP4BlockScaling")
     return _model_init_entered(_ModelInitState(checked,
                                                enabled and preserve_high_precision_init_val))
 
@@ -78,7 +78,8 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     With ``enabled=True`` the GEMM weights of the TE modules constructed inside are
     quantized parameters made with ``recipe`` (``DelayedScaling()`` when None):
     `Float8Tensor` for DelayedScaling and Float8CurrentScaling, `Float8BlockwiseQTensor`
-    for Float8BlockScaling; no high-precision copy is kept; the biases and norm
+    for Float8BlockScaling, `MXFP8Tensor` / `NVFP4Tensor` for MXFP8BlockScaling /
+    NVFP4BlockScaling; no high-precision copy is kept; the biases and norm
     parameters stay in high precision (NOTE [FP8 primary weights] in
     module/fp8_params.py). ``preserve_high_precision_init_val=True`` keeps each weight's
     initial value on the CPU, read by the weight's ``get_high_precision_init_val()`` (to

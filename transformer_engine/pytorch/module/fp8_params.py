@@ -1,6 +1,7 @@
 """FP8 primary weights: the GEMM weights of modules built under
 ``te.quantized_model_init(enabled=True)`` (TE's ``fp8_model_init``) are `Float8Tensor`
-parameters (per-tensor recipes) or `Float8BlockwiseQTensor` ones (Float8BlockScaling).
+parameters (per-tensor recipes), `Float8BlockwiseQTensor` ones (Float8BlockScaling),
+`MXFP8Tensor` or `NVFP4Tensor` ones (MXFP8BlockScaling, NVFP4BlockScaling).
 
 NOTE [FP8 primary weights]
     Such a module keeps each GEMM weight only in FP8 (the forward format of the
@@ -23,6 +24,11 @@ NOTE [FP8 primary weights]
     recipe's ``w_block_scaling_dim`` (128x128 by default) scaled by its
     ``fp8_quant_fwd_weight`` settings, each write quantizing the new value into its
     rowwise copy (the forward GEMM's operand) and its columnwise copy (the dgrad's).
+    MXFP8BlockScaling and NVFP4BlockScaling weights are `MXFP8Tensor` / `NVFP4Tensor`
+    (tensor/mx_tensors.py) the same way: both copies are what the recipe's weight cast
+    makes of the written value (1x32 or 32x32 MXFP8 blocks; 1x16 or 16x16 NVFP4 blocks,
+    no Hadamard transform, round to nearest), so a forward reads the bits a
+    high-precision weight of that value is cast to.
 
     An FP8 forward takes the weight's FP8 storage as its operand: no cast, no amax.
     The weight serves the autocast of its own recipe class only: a module whose
@@ -51,7 +57,8 @@ from ...common.recipe import DelayedScaling
 from .. import quantize
 from ..non_finite import non_finite_counter
 from ..fp8_shapes import Float8Data
-from ..tensor import Float8BlockQuantizer, Float8BlockwiseQTensor, QuantizedTensor
+from ..tensor import (Float8BlockQuantizer, Float8BlockwiseQTensor, MXFP8Quantizer,
+                      MXFP8Tensor, NVFP4Quantizer, NVFP4Tensor, QuantizedTensor)
 from ..tensor.float8_tensor import CurrentScalingQuantizer, Float8Quantizing, as_matrix
 
 __all__ = ["DelayedWeightQuantizer", "CurrentWeightQuantizer", "weight_quantizer",
@@ -105,6 +112,10 @@ def weight_quantizer(module, recipe, index: int, fp8_dtype: torch.dtype):
         return DelayedWeightQuantizer(module, index, fp8_dtype)
     if recipe.float8_block_scaling():
         return Float8BlockQuantizer.for_weights(recipe)
+    if recipe.mxfp8():
+        return MXFP8Quantizer.for_weights(recipe)
+    if recipe.nvfp4():
+        return NVFP4Quantizer.for_weights(recipe)
     q = recipe.fp8_quant_fwd_weight
     return CurrentWeightQuantizer(fp8_dtype, q.power_2_scale, q.amax_epsilon)
 
@@ -159,7 +170,7 @@ def _clear_init_value(param) -> None:
 def weight_operands(weight: QuantizedTensor, transpose: bool):
     """``(w_fp8, w_fp8^T)`` of an FP8 primary weight for a GEMM: its own storage (NOTE
     [FP8 primary weights]); the recipes match (`check_weight_recipes`)."""
-    if isinstance(weight, Float8BlockwiseQTensor):
+    if isinstance(weight, (Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor)):
         return weight.block_operands(transpose)
     w = weight.fp8_operand()
     if not transpose:
