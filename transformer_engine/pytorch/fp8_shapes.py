@@ -100,14 +100,18 @@ def scaled_mm_padded(a: Float8Data, b: Float8Data, out_dtype: torch.dtype,
     (NOTE [FP8 shapes]). The CUDA FP8 GEMM; on the CPU with ``cpu_gemm="scaled_mm"``."""
     m, k = a.data.shape
     n = b.data.shape[0]
-    mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
-    ad = _zero_padded(a.data, (mp, kp))
-    bd = _zero_padded(b.data, (np_, kp))
+    if m % _SCALED_MM_MULTIPLE or k % _SCALED_MM_MULTIPLE or n % _SCALED_MM_MULTIPLE:
+        mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+        ad = _zero_padded(a.data, (mp, kp))
+        bd = _zero_padded(b.data, (np_, kp))
+    else:       # the common case: no padding (host time on every GEMM)
+        mp, kp, np_, ad, bd = m, k, n, a.data, b.data
     # cuBLASLt takes a bias only for 16-bit outputs; a float32 output adds it after.
     fused_bias = None
     if bias is not None and out_dtype != torch.float32:
-        fused_bias = _zero_padded(bias if bias.dtype == out_dtype else bias.to(out_dtype),
-                                  (np_,))
+        fused_bias = bias if bias.dtype == out_dtype else bias.to(out_dtype)
+        if np_ != n:
+            fused_bias = _zero_padded(fused_bias, (np_,))
     scale_a, scale_b = a.scale_inv, b.scale_inv
     if torch.compiler.is_compiling():
         # Inductor's Triton templates for _scaled_mm (max-autotune) take a per-tensor

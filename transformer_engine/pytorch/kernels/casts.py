@@ -289,7 +289,9 @@ _PARTIALS_BLOCK = 1024
 
 def partials_block(partials: int) -> int:
     """BLOCK_P (a constexpr) of a cast launch that reduces ``partials`` partial amaxes."""
-    return max(_PARTIALS_BLOCK, triton.next_power_of_2(partials))
+    if partials <= _PARTIALS_BLOCK:     # (Triton's next_power_of_2 is slow to call)
+        return _PARTIALS_BLOCK
+    return triton.next_power_of_2(partials)
 
 
 def current_programs(tiles: int) -> int:

@@ -189,18 +189,22 @@ def cast_outputs(m: int, n: int, dtype: torch.dtype, device: torch.device, data:
                 torch.empty((n, m), dtype=dtype, device=device) if transpose else None,
                 torch.empty(1, dtype=F32, device=device),
                 torch.empty(scratch, dtype=F32, device=device) if scratch else None)
+    # The allocation is typed FP8 and holds a whole number of float32 words; each
+    # output is one view of it (``as_strided``: one op, where a slice and a dtype view
+    # would be two or three; the views are made on every cast, NOTE [Launch overhead]).
     head = _align(4) + _align(4 * scratch)
     kept = m * n if (data or transpose) else 0
-    buf = torch.empty(head + kept, dtype=torch.uint8, device=device)
-    scale_inv = buf[:4].view(F32)
-    extra = buf[_align(4):_align(4) + 4 * scratch].view(F32) if scratch else None
+    buf = torch.empty(head + -(-kept // 4) * 4, dtype=dtype, device=device)
+    words = buf.view(F32)
+    scale_inv = words.as_strided((1,), (1,), 0)
+    extra = words.as_strided((scratch,), (1,), _align(4) // 4) if scratch else None
     q = q_t = None
     if transpose:
-        q_t = buf[head:].view(dtype).view(n, m)
+        q_t = buf.as_strided((n, m), (m, 1), head)
         if data:
             q = torch.empty((m, n), dtype=dtype, device=device)
     elif data:
-        q = buf[head:].view(dtype).view(m, n)
+        q = buf.as_strided((m, n), (n, 1), head)
     return q, q_t, scale_inv, extra
 
 

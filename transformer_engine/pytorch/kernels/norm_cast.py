@@ -235,7 +235,7 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         else:
             scale_inv.fill_(1.0)
         return y, q, q_t, scale_inv, stats
-    block_n = min(_MAX_BLOCK_N, triton.next_power_of_2(n))
+    block_n = min(_MAX_BLOCK_N, 1 << (n - 1).bit_length())     # (next power of 2, n >= 1)
     has_amax = delayed and amax_history is not None
     has_bias = bias is not None and not rms
     count = non_finite is not None and not delayed

@@ -24,9 +24,13 @@ def activation_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# (a nullcontext holds nothing and may be entered again and again, from any thread)
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def no_autocast(device_type: str):
     """A context with ``torch.autocast`` off for ``device_type`` (a no-op context when
     it is off already: entering ``torch.autocast`` costs host time on every GEMM)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NO_CONTEXT
