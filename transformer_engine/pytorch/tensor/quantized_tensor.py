@@ -108,7 +108,8 @@ class QuantizedTensor(torch.Tensor):
         if isinstance(shape, torch.Tensor) or shape is None or dtype not in NOMINAL_DTYPES:
             raise TypeError("QuantizedTensor(shape, dtype): shape must be a sequence of ints "
                             f"and dtype one of {NOMINAL_DTYPES}, got {type(shape).__name__} and "
-                            f"{dtype} (Float8Tensor, Float8BlockwiseQTensor, MXFP8Tensor and NVFP4Tensor hold data)")
+                            f"{dtype} (Float8Tensor, Float8BlockwiseQTensor, MXFP8Tensor and "
+                            "NVFP4Tensor hold data)")
         shape = torch.Size(shape)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
