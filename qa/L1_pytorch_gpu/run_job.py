@@ -132,6 +132,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=540.0,
                         help="seconds the whole job may run: a process still running then "
                              "is stopped, one not started is not run (both count as lost)")
+    parser.add_argument("--commit", default=None,
+                        help="the commit the record names (default: git's HEAD here; a "
+                             "copied tree's .git may be stale)")
     parser.add_argument("--no-gpu", action="store_true",
                         help="run without a GPU (to check the runner itself on a CPU)")
     parser.add_argument("files", nargs="*", help="test files (default: the whole list)")
@@ -144,6 +147,8 @@ def main(argv=None) -> int:
         PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",     # the image's pytest plugins are not ours
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     info = environment()
+    if args.commit:
+        info["commit"] = args.commit
     if not info["card"] and not args.no_gpu:
         print("run_job.py: no CUDA GPU: the GPU job needs one", file=sys.stderr)
         return 1
