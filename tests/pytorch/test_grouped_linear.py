@@ -216,13 +216,6 @@ def test_trivial_tensor_parallel_arguments_are_accepted():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_save_original_input_is_refused_at_forward():
-    layer = _grouped(n=2)
-    layer.save_original_input = True
-    with pytest.raises(NotImplementedError, match=r"save_original_input=True is not implemented"):
-        layer(torch.randn(32, 32), [16, 16])
-
-
 def test_bad_input():
     layer = _grouped(n=2)
     with pytest.raises(ValueError, match=r"last dimension must be in_features=32"):
@@ -262,10 +255,10 @@ def test_grouped_switches_off_change_nothing(use_grouped_tensor, monkeypatch):
                                     dict(single_grouped_weight=True),
                                     dict(single_grouped_bias=True)],
                          ids=["both", "weight", "bias"])
-def test_single_grouped_params(kwargs, monkeypatch):
+def test_single_grouped_params_need_the_environment_variable(kwargs, monkeypatch):
     """As in TE: without NVTE_GROUPED_LINEAR_SINGLE_PARAM the request falls back to
-    per-GEMM parameters with a warning; with it, the single grouped parameter is refused
-    (not implemented here) rather than silently built per GEMM."""
+    per-GEMM parameters with a warning (test_grouped_linear_single_param.py covers the
+    single grouped parameters it builds when set)."""
     monkeypatch.delenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", raising=False)
     with pytest.warns(UserWarning, match=r"single_grouped_weight=.* but "
                                          r"NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set"):
@@ -273,13 +266,6 @@ def test_single_grouped_params(kwargs, monkeypatch):
     assert (layer.single_grouped_weight, layer.single_grouped_bias) == (False, False)
     assert sorted(n for n, _ in layer.named_parameters()) == ["bias0", "bias1",
                                                                "weight0", "weight1"]
-    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
-    name = "single_grouped_weight" if kwargs.get("single_grouped_weight") else \
-        "single_grouped_bias"
-    with pytest.raises(NotImplementedError,
-                       match=rf"te\.GroupedLinear: {name}=True is not implemented .*"
-                             r"unsupported-arguments\.md"):
-        te.GroupedLinear(2, 32, 32, device="cpu", **kwargs)
 
 
 def test_bad_grouped_switches(monkeypatch):

@@ -5,9 +5,10 @@ Each block goes through the FP8 linear path of ``te.Linear`` (`fp8_linear`) with
 own GEMM index ``i``, so GEMM ``i`` owns the delayed-scaling slots ``[input_i,
 weight_i]`` of ``fp8_meta["scaling_fwd"]`` and ``[grad_output_i]`` of
 ``fp8_meta["scaling_bwd"]``, exactly as a separate ``te.Linear`` owns its slots 0-1
-and 0. The weights (biases) are one parameter per GEMM, or one grouped parameter (NOTE
-[Single grouped parameters] in grouped_params.py). The GEMMs share the module's one `ForwardPlan`: one registration with the
+and 0. The GEMMs share the module's one `ForwardPlan`: one registration with the
 autocast session and one recompute stash per forward (as LayerNormMLP's two GEMMs do).
+The weights (biases) are one parameter per GEMM, or one grouped parameter (NOTE
+[Single grouped parameters] in grouped_params.py).
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ class _Slices(torch.autograd.Function):
     @staticmethod
     def forward(ctx, packed: torch.Tensor, fused: bool):
         ctx.packed, ctx.fused = packed, fused
+        ctx.set_materialize_grads(False)        # (a slice without gradient stays None)
         return tuple(packed.unbind(0))
 
     @staticmethod
