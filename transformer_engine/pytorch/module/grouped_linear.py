@@ -33,9 +33,19 @@ __all__ = ["GroupedLinear", "check_m_splits"]
 _API = "te.GroupedLinear"
 
 
-def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _API) -> List[int]:
+def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _API,
+                   allow_tensor: bool = False) -> List[int]:
     """``m_splits`` as a list of ``num_gemms`` non-negative ints adding up to ``rows``
-    (any sum when ``rows`` is None)."""
+    (any sum when ``rows`` is None). ``allow_tensor``: an integer tensor of shape
+    ``[num_gemms]`` is read too (``tolist()``: a host sync when it lives on CUDA), as
+    TE's GroupedLinear accepts one."""
+    if allow_tensor and torch.is_tensor(m_splits):
+        if m_splits.is_floating_point() or m_splits.is_complex() \
+                or m_splits.dtype == torch.bool or m_splits.shape != (num_gemms,):
+            raise TypeError(f"{api}.forward: a tensor m_splits must hold num_gemms={num_gemms} "
+                            f"ints (shape ({num_gemms},), an integer dtype), got "
+                            f"{m_splits.dtype} of shape {tuple(m_splits.shape)}")
+        m_splits = m_splits.tolist()
     if torch.is_tensor(m_splits) or not isinstance(m_splits, (list, tuple)):
         raise TypeError(f"{api}.forward: m_splits must be a list of {num_gemms} ints (call "
                         f".tolist() on a tensor of counts), got {type(m_splits).__name__}")
@@ -199,7 +209,7 @@ class GroupedLinear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int],
                 is_first_microbatch: Optional[bool] = None):
         """``inp: [..., in_features]``, whose rows (all leading dimensions flattened)
-        are split into blocks of ``m_splits[i]`` rows; block ``i`` goes through
+        are split into blocks of ``m_splits[i]`` rows (a list, or an integer tensor); block ``i`` goes through
         ``weight{i}`` / ``bias{i}``. Returns ``[..., out_features]`` (and the biases
         with ``return_bias``). ``is_first_microbatch`` as in `te.Linear`."""
         if not torch.is_tensor(inp):
@@ -209,7 +219,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                              f"{self.in_features}, got input of shape {tuple(inp.shape)}")
         inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         x2d = inp.reshape(-1, self.in_features)
-        splits = check_m_splits(m_splits, self.num_gemms, x2d.shape[0])
+        splits = check_m_splits(m_splits, self.num_gemms, x2d.shape[0], allow_tensor=True)
         weights, biases = self._gemm_weights(), self._gemm_biases()
         with self.prepare_forward(inp, is_first_microbatch) as plan:
             # an empty block has nothing to cast or scale: its (empty) output comes from
