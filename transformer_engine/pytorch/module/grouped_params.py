@@ -105,6 +105,15 @@ def grouped_slices(packed: torch.Tensor, fused_main_grad: bool = False,
     names its slot, where a delayed wgrad is accumulated (`delayed_wgrad.accumulate_grad`)."""
     if not (torch.is_grad_enabled() and packed.requires_grad):
         return list(packed.unbind(0))
+    if torch.compiler.is_compiling():
+        # dynamo traces torch's own unbind (every slice gets a gradient here, so its
+        # backward stacks the same values); the per-view attributes it cannot trace
+        if fused_main_grad:
+            raise NotImplementedError(
+                "te.GroupedLinear: a single grouped weight with fuse_wgrad_accumulation=True "
+                "under torch.compile is not implemented; run the module eagerly or use "
+                "per-GEMM weights (single_grouped_weight=False)")
+        return list(packed.unbind(0))
     views = list(_Slices.apply(packed, fused_main_grad))
     main_grad = getattr(packed, "main_grad", None) if fused_main_grad else None
     for i, view in enumerate(views):
