@@ -25,6 +25,7 @@ TESTS=(
     tests/pytorch/test_delay_wgrad_compute.py
     tests/pytorch/test_autocast_dtypes.py
     tests/pytorch/test_grouped_linear.py
+    tests/pytorch/test_grouped_linear_single_param.py
     tests/pytorch/test_fp8_activation_recompute.py
     tests/pytorch/test_checkpoint_robustness.py
     tests/pytorch/test_checkpoint_replay.py

@@ -9,7 +9,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_engine.pytorch import quantize
-from helpers import (REENTRANT, STASH_KEY, assert_runs_equal, assert_tensors_equal, capture,
+from helpers import (DEVICES, REENTRANT, STASH_KEY, assert_runs_equal, assert_tensors_equal, capture,
                      te_modules)
 from references import deq
 
@@ -66,6 +66,17 @@ def test_high_precision_matches_float64(bias):
     dx_ref = torch.cat([torch.ones(m, 48, dtype=torch.float64) @ w
                         for m, w in zip(SPLITS, w64)])
     torch.testing.assert_close(x.grad.double(), dx_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_m_splits_may_be_an_integer_tensor(device):
+    """TE's GroupedLinear takes m_splits as a list or an int64 tensor (on the host or
+    the device): the same blocks either way."""
+    layer = _grouped().to(device)
+    x = torch.randn(64, 32, device=device)
+    want = layer(x, SPLITS)
+    for splits in (torch.tensor(SPLITS), torch.tensor(SPLITS, device=device, dtype=torch.int32)):
+        assert torch.equal(layer(x, splits), want)
 
 
 def test_leading_dimensions_are_flattened_into_rows():
@@ -189,8 +200,11 @@ def test_extra_state_round_trip():
     ([16, 16, 16], ValueError, r"m_splits must hold num_gemms=4"),
     ([16, 16, 16, 8], ValueError, r"must add up to the input's rows \(64\)"),
     ([16, -16, 32, 32], ValueError, r"non-negative ints"),
-    (torch.tensor([16, 16, 16, 16]), TypeError, r"call \.tolist\(\)"),
-], ids=["count", "sum", "negative", "tensor"])
+    (torch.tensor([16.0, 16, 16, 16]), TypeError, r"a tensor m_splits must hold num_gemms=4 "
+                                                   r"ints"),
+    (torch.tensor([[16, 16, 16, 16]]), TypeError, r"shape \(4,\)"),
+    ((16, 16, 16, "16"), ValueError, r"non-negative ints"),
+], ids=["count", "sum", "negative", "float-tensor", "tensor-shape", "str"])
 def test_bad_m_splits(m_splits, error, match):
     with pytest.raises(error, match=match):
         _grouped()(torch.randn(64, 32), m_splits)
@@ -214,13 +228,6 @@ def test_trivial_tensor_parallel_arguments_are_accepted():
     x = torch.randn(32, 32)
     torch.testing.assert_close(layer(x, [16, 16]).double(), _reference(layer, x, [16, 16]),
                                rtol=1e-5, atol=1e-5)
-
-
-def test_save_original_input_is_refused_at_forward():
-    layer = _grouped(n=2)
-    layer.save_original_input = True
-    with pytest.raises(NotImplementedError, match=r"save_original_input=True is not implemented"):
-        layer(torch.randn(32, 32), [16, 16])
 
 
 def test_bad_input():
@@ -262,10 +269,10 @@ def test_grouped_switches_off_change_nothing(use_grouped_tensor, monkeypatch):
                                     dict(single_grouped_weight=True),
                                     dict(single_grouped_bias=True)],
                          ids=["both", "weight", "bias"])
-def test_single_grouped_params(kwargs, monkeypatch):
+def test_single_grouped_params_need_the_environment_variable(kwargs, monkeypatch):
     """As in TE: without NVTE_GROUPED_LINEAR_SINGLE_PARAM the request falls back to
-    per-GEMM parameters with a warning; with it, the single grouped parameter is refused
-    (not implemented here) rather than silently built per GEMM."""
+    per-GEMM parameters with a warning (test_grouped_linear_single_param.py covers the
+    single grouped parameters it builds when set)."""
     monkeypatch.delenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", raising=False)
     with pytest.warns(UserWarning, match=r"single_grouped_weight=.* but "
                                          r"NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set"):
@@ -273,13 +280,6 @@ def test_single_grouped_params(kwargs, monkeypatch):
     assert (layer.single_grouped_weight, layer.single_grouped_bias) == (False, False)
     assert sorted(n for n, _ in layer.named_parameters()) == ["bias0", "bias1",
                                                                "weight0", "weight1"]
-    monkeypatch.setenv("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "1")
-    name = "single_grouped_weight" if kwargs.get("single_grouped_weight") else \
-        "single_grouped_bias"
-    with pytest.raises(NotImplementedError,
-                       match=rf"te\.GroupedLinear: {name}=True is not implemented .*"
-                             r"unsupported-arguments\.md"):
-        te.GroupedLinear(2, 32, 32, device="cpu", **kwargs)
 
 
 def test_bad_grouped_switches(monkeypatch):

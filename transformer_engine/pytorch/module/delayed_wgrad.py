@@ -55,7 +55,16 @@ class WeightGradStore:
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` as autograd accumulates (the first gradient is taken as is)."""
+    """``param.grad += grad`` as autograd accumulates (the first gradient is taken as is).
+    A slice of a single grouped parameter accumulates into its slot of the parameter's
+    gradient (NOTE [Single grouped parameters] in grouped_params.py)."""
+    slot = getattr(param, "grouped_grad_slot", None)
+    if slot is not None:
+        packed, index = slot
+        if packed.grad is None:
+            packed.grad = torch.zeros_like(packed)
+        packed.grad[index] += grad
+        return
     if param.grad is None:
         param.grad = grad.detach()
     else:

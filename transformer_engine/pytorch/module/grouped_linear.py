@@ -7,13 +7,13 @@ weight_i]`` of ``fp8_meta["scaling_fwd"]`` and ``[grad_output_i]`` of
 ``fp8_meta["scaling_bwd"]``, exactly as a separate ``te.Linear`` owns its slots 0-1
 and 0. The GEMMs share the module's one `ForwardPlan`: one registration with the
 autocast session and one recompute stash per forward (as LayerNormMLP's two GEMMs do).
+The weights (biases) are one parameter per GEMM, or one grouped parameter (NOTE
+[Single grouped parameters] in grouped_params.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import warnings
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -23,7 +23,9 @@ from ..utils import check_bool, check_params_dtype, check_positive_int, reject_u
 from .base import TransformerEngineBaseModule
 from .devices import default_device
 from .fp8_linear import fp8_linear
+from .grouped_params import grouped_slices, per_gemm_init, remap_state_dict, single_param_flags
 from .linear import check_init_args
+from .main_grad import check_main_grad
 from .params import ParamInit, constant_init, normal_init
 
 __all__ = ["GroupedLinear", "check_m_splits"]
@@ -31,9 +33,19 @@ __all__ = ["GroupedLinear", "check_m_splits"]
 _API = "te.GroupedLinear"
 
 
-def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _API) -> List[int]:
+def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _API,
+                   allow_tensor: bool = False) -> List[int]:
     """``m_splits`` as a list of ``num_gemms`` non-negative ints adding up to ``rows``
-    (any sum when ``rows`` is None)."""
+    (any sum when ``rows`` is None). ``allow_tensor``: an integer tensor of shape
+    ``[num_gemms]`` is read too (``tolist()``: a host sync when it lives on CUDA), as
+    TE's GroupedLinear accepts one."""
+    if allow_tensor and torch.is_tensor(m_splits):
+        if m_splits.is_floating_point() or m_splits.is_complex() \
+                or m_splits.dtype == torch.bool or m_splits.shape != (num_gemms,):
+            raise TypeError(f"{api}.forward: a tensor m_splits must hold num_gemms={num_gemms} "
+                            f"ints (shape ({num_gemms},), an integer dtype), got "
+                            f"{m_splits.dtype} of shape {tuple(m_splits.shape)}")
+        m_splits = m_splits.tolist()
     if torch.is_tensor(m_splits) or not isinstance(m_splits, (list, tuple)):
         raise TypeError(f"{api}.forward: m_splits must be a list of {num_gemms} ints (call "
                         f".tolist() on a tensor of counts), got {type(m_splits).__name__}")
@@ -46,29 +58,6 @@ def check_m_splits(m_splits, num_gemms: int, rows: Optional[int], api: str = _AP
         raise ValueError(f"{api}.forward: m_splits must add up to the input's rows "
                          f"({rows}), got {splits} (sum {sum(splits)})")
     return splits
-
-
-def _single_param_flags(weight: bool, bias: bool):
-    """TE's gate on ``single_grouped_weight`` / ``single_grouped_bias``: without
-    ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` (a positive int) both fall back to False with a
-    warning; with it, True asks for the single grouped parameter, not implemented here."""
-    if not (weight or bias):
-        return False, False
-    raw = os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "0")
-    try:
-        enabled = int(raw) > 0
-    except ValueError:
-        raise ValueError(f"{_API}: the environment variable NVTE_GROUPED_LINEAR_SINGLE_PARAM "
-                         f"must be an int, got {raw!r}") from None
-    if not enabled:
-        warnings.warn(f"{_API} was built with single_grouped_weight={weight} and "
-                      f"single_grouped_bias={bias}, but NVTE_GROUPED_LINEAR_SINGLE_PARAM is not "
-                      "set: using one weight (and bias) parameter per GEMM, as TE does",
-                      UserWarning, stacklevel=3)
-        return False, False
-    reject_unsupported(_API, single_grouped_weight=(weight, False),
-                       single_grouped_bias=(bias, False))
-    return False, False
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -102,15 +91,21 @@ class GroupedLinear(TransformerEngineBaseModule):
     delay_wgrad_compute : bool, default False
         The backward computes the input and bias gradients only; ``backward_dw()``
         computes the weight gradients later (NOTE [Delayed wgrad] in delayed_wgrad.py).
-    ub_overlap_rs, ub_overlap_ag, save_original_input
+    save_original_input : bool, default False
+        Keep each GEMM's high-precision input for backward and cast it again there for
+        the wgrad (NOTE [Saving the original input] in fp8_linear.py): the same values
+        as the default; refused (``ValueError``) with DelayedScaling, as in TE.
+    ub_overlap_rs, ub_overlap_ag
         Not implemented: anything but the default raises ``NotImplementedError``.
         ``ub_name`` is accepted (it only names a Userbuffers buffer).
     single_grouped_weight, single_grouped_bias : bool, default False
-        TE's experimental single ``weight`` ``[num_gemms, out, in]`` (and ``bias``)
-        parameter. As in TE, True without the environment variable
-        ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` set to a positive int is turned into False
-        with a ``UserWarning`` (per-GEMM parameters); with it set, True raises
-        ``NotImplementedError`` (the single grouped parameter is not implemented).
+        TE's single ``weight`` ``[num_gemms, out, in]`` (``bias`` ``[num_gemms,
+        out]``) parameter instead of ``weight{i}`` (``bias{i}``), which then hold None
+        (NOTE [Single grouped parameters] in grouped_params.py). As in TE, True
+        without the environment variable ``NVTE_GROUPED_LINEAR_SINGLE_PARAM`` set to a
+        positive int is turned into False with a ``UserWarning``. A single grouped
+        weight of FP8 primary weights (``te.quantized_model_init``) is not implemented
+        (``NotImplementedError``).
     use_grouped_tensor : bool or None, default None
         Selects TE's native grouped-GEMM kernel; the same arithmetic runs here either
         way, so it is checked (a bool or None) and kept as an attribute only.
@@ -138,9 +133,15 @@ class GroupedLinear(TransformerEngineBaseModule):
             raise TypeError(f"{_API}: use_grouped_tensor must be a bool or None, got "
                             f"{type(use_grouped_tensor).__name__} {use_grouped_tensor!r}")
         self.use_grouped_tensor = bool(use_grouped_tensor)
-        self.single_grouped_weight, self.single_grouped_bias = _single_param_flags(
-            check_bool(_API, "single_grouped_weight", single_grouped_weight),
+        self.single_grouped_weight, self.single_grouped_bias = single_param_flags(
+            _API, check_bool(_API, "single_grouped_weight", single_grouped_weight),
             check_bool(_API, "single_grouped_bias", single_grouped_bias))
+        if self.single_grouped_weight and self._builds_fp8_weights():
+            raise NotImplementedError(
+                f"{_API}: single_grouped_weight=True with FP8 primary weights "
+                "(te.quantized_model_init) is not implemented by this pure-PyTorch Transformer "
+                "Engine; build it with single_grouped_weight=False or outside "
+                "quantized_model_init")
         # an attribute, as in TE: Megatron-LM sets it after construction
         self.save_original_input = check_bool(_API, "save_original_input", save_original_input)
         self.num_gemms = num_gemms
@@ -159,17 +160,31 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.ub_name = ub_name
         weight_init = ParamInit(init_method or normal_init, get_rng_state_tracker,
                                 rng_tracker_name)
+        # TE's parameter order: per GEMM weight{i}, bias{i}; then the grouped ones
         for i in range(num_gemms):
-            self.register_initialized(
-                f"weight{i}", torch.empty(out_features, in_features, dtype=dtype, device=device),
-                dataclasses.replace(weight_init,
-                                    fp8_weight_index=self.FWD_TENSORS_PER_GEMM * i + 1))
-            if self.use_bias:
+            if self.single_grouped_weight:
+                self.register_parameter(f"weight{i}", None)
+            else:
+                self.register_initialized(
+                    f"weight{i}", torch.empty(out_features, in_features, dtype=dtype,
+                                              device=device),
+                    dataclasses.replace(weight_init,
+                                        fp8_weight_index=self.FWD_TENSORS_PER_GEMM * i + 1))
+            if self.use_bias and not self.single_grouped_bias:
                 self.register_initialized(
                     f"bias{i}", torch.empty(out_features, dtype=dtype, device=device),
                     ParamInit(constant_init(0.0)))
             else:
                 self.register_parameter(f"bias{i}", None)
+        if self.single_grouped_weight:
+            self.register_initialized(
+                "weight", torch.empty(num_gemms, out_features, in_features, dtype=dtype,
+                                      device=device),
+                dataclasses.replace(weight_init, init_fn=per_gemm_init(weight_init.init_fn)))
+        if self.use_bias and self.single_grouped_bias:
+            self.register_initialized(
+                "bias", torch.empty(num_gemms, out_features, dtype=dtype, device=device),
+                ParamInit(constant_init(0.0)))
         self._sync_tp_attributes()
         self.reset_parameters(defer_init=device.type == "meta")
 
@@ -194,11 +209,9 @@ class GroupedLinear(TransformerEngineBaseModule):
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int],
                 is_first_microbatch: Optional[bool] = None):
         """``inp: [..., in_features]``, whose rows (all leading dimensions flattened)
-        are split into blocks of ``m_splits[i]`` rows; block ``i`` goes through
+        are split into blocks of ``m_splits[i]`` rows (a list, or an integer tensor); block ``i`` goes through
         ``weight{i}`` / ``bias{i}``. Returns ``[..., out_features]`` (and the biases
         with ``return_bias``). ``is_first_microbatch`` as in `te.Linear`."""
-        reject_unsupported(f"{_API}.forward",
-                           save_original_input=(self.save_original_input, False))
         if not torch.is_tensor(inp):
             raise TypeError(f"{_API}: input must be a tensor, got {type(inp).__name__}")
         if inp.dim() == 0 or inp.shape[-1] != self.in_features:
@@ -206,9 +219,8 @@ class GroupedLinear(TransformerEngineBaseModule):
                              f"{self.in_features}, got input of shape {tuple(inp.shape)}")
         inp = inp.contiguous()          # NOTE [Contiguous module inputs] in module/base.py
         x2d = inp.reshape(-1, self.in_features)
-        splits = check_m_splits(m_splits, self.num_gemms, x2d.shape[0])
-        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
-        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        splits = check_m_splits(m_splits, self.num_gemms, x2d.shape[0], allow_tensor=True)
+        weights, biases = self._gemm_weights(), self._gemm_biases()
         with self.prepare_forward(inp, is_first_microbatch) as plan:
             # an empty block has nothing to cast or scale: its (empty) output comes from
             # the high-precision path, which also gives its weight a zero gradient
@@ -218,13 +230,39 @@ class GroupedLinear(TransformerEngineBaseModule):
                                plan if x_i.shape[0] else empty_plan, self.fp8_meta, gemm=i,
                                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
                                input_name=f"input rows of GEMM {i} (m_splits[{i}]={m})",
-                               weight_name=f"weight{i}", wgrad_store=self._forward_wgrad_store())
+                               weight_name=f"weight{i}", wgrad_store=self._forward_wgrad_store(),
+                               save_original_input=bool(self.save_original_input))
                     for i, (x_i, w_i, b_i, m) in enumerate(zip(torch.split(x2d, splits),
                                                                weights, biases, splits))]
         out = torch.cat(outs, dim=0).view(*inp.shape[:-1], self.out_features)
         if self.return_bias:
-            return out, biases
+            return out, (self.bias if self.single_grouped_bias and self.use_bias else biases)
         return out
+
+    def _gemm_weights(self) -> List[torch.Tensor]:
+        """Each GEMM's weight: ``weight{i}``, or the view ``weight[i]`` of the single
+        grouped weight (NOTE [Single grouped parameters] in grouped_params.py)."""
+        if not self.single_grouped_weight:
+            return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        if self.fuse_wgrad_accumulation:
+            check_main_grad(_API, self.weight)
+        return grouped_slices(self.weight, fused_main_grad=self.fuse_wgrad_accumulation,
+                              deliver_delayed=self.need_backward_dw())
+
+    def _gemm_biases(self) -> List[Optional[torch.Tensor]]:
+        if not (self.use_bias and self.single_grouped_bias):
+            return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return grouped_slices(self.bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Either layout loads: per-GEMM ``weight{i}`` / ``bias{i}`` or the single
+        grouped ``weight`` / ``bias`` (NOTE [Single grouped parameters])."""
+        remap_state_dict(state_dict, prefix, "weight", self.num_gemms,
+                         self.single_grouped_weight)
+        if self.use_bias:
+            remap_state_dict(state_dict, prefix, "bias", self.num_gemms,
+                             self.single_grouped_bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
