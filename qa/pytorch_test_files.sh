@@ -21,6 +21,7 @@ TESTS=(
     tests/pytorch/test_linear.py
     tests/pytorch/test_te_ops.py
     tests/pytorch/test_te_ops_checkpoint.py
+    tests/pytorch/test_te_ops_graphs.py
     tests/pytorch/test_linear_save_original_input.py
     tests/pytorch/test_delay_wgrad_compute.py
     tests/pytorch/test_autocast_dtypes.py
