@@ -21,6 +21,7 @@ TESTS=(
     tests/pytorch/test_linear.py
     tests/pytorch/test_te_ops.py
     tests/pytorch/test_te_ops_checkpoint.py
+    tests/pytorch/test_te_ops_graphs.py
     tests/pytorch/test_linear_save_original_input.py
     tests/pytorch/test_delay_wgrad_compute.py
     tests/pytorch/test_autocast_dtypes.py
@@ -75,6 +76,7 @@ TESTS=(
     tests/pytorch/test_megatron_import.py
     tests/pytorch/test_megatron_gpt.py
     tests/pytorch/test_megatron_moe.py
+    tests/pytorch/test_megatron_te_ops.py
     tests/pytorch/test_megatron_optimizers.py
     tests/pytorch/test_fused_optimizers.py
     tests/pytorch/test_multi_tensor_ops.py

@@ -218,6 +218,19 @@ class _GenericRun:
         self.num_params = [len(list(basic_ops[i].parameters())) for i in range(lo, hi)]
 
 
+class _BackwardContext:
+    """An operation's context as its backward sees it: the forward's context with the
+    saved tensors. A new object, not the forward's context written to: dynamo cannot
+    trace a backward that writes to an object made outside it (torch.compile)."""
+
+    def __init__(self, forward_ctx: OperationContext, saved_tensors: tuple):
+        self.forward_ctx = forward_ctx
+        self.saved_tensors = saved_tensors
+
+    def __getattr__(self, name: str):
+        return getattr(self.forward_ctx, name)
+
+
 class _GenericFunction(torch.autograd.Function):
     """A run of operations that compute their own gradients (NOTE [Fusion passes])."""
 
@@ -249,8 +262,7 @@ class _GenericFunction(torch.autograd.Function):
     def backward(ctx, dy, *grad_extra_out):
         run, lo = ctx.run, ctx.run.lo
         saved = ctx.saved_tensors
-        for c, (a, b) in zip(run.ctxs, ctx.ranges):
-            c.saved_tensors = saved[a:b]
+        ctxs = [_BackwardContext(c, saved[a:b]) for c, (a, b) in zip(run.ctxs, ctx.ranges)]
         grad_extra_out, per_op = list(grad_extra_out), []
         for k in ctx.num_extra_out:
             per_op.append(tuple(grad_extra_out[:k]))
@@ -259,7 +271,7 @@ class _GenericFunction(torch.autograd.Function):
         grad_extra_in = [None] * (run.hi - lo)
         for op, idxs in reversed(run.bwd):
             dy, gp, ge = op.fuser_backward(
-                [run.ctxs[i - lo] for i in idxs], dy,
+                [ctxs[i - lo] for i in idxs], dy,
                 basic_op_grad_extra_outputs=[per_op[i - lo] for i in idxs])
             for i, p, e in zip(idxs, gp, ge):
                 grad_params[i - lo], grad_extra_in[i - lo] = p, e
@@ -271,6 +283,4 @@ class _GenericFunction(torch.autograd.Function):
             n = run.basic_ops[lo + j].num_extra_inputs
             g = list(grad_extra_in[j] or ())
             flat.extend(g + [None] * (n - len(g)))
-        for c in run.ctxs:
-            c.saved_tensors = None
         return (dy, None, *flat)

@@ -114,18 +114,27 @@ class Sequential(torch.nn.Module):
     def __add__(self, modules: Iterable[torch.nn.Module]) -> "Sequential":
         return Sequential(*self, *modules)
 
+    def _make_groups(self) -> list:
+        """The modules in order, each run of fusible operations as one fuser."""
+        groups: list = []
+        for module in self._modules.values():
+            if isinstance(module, FusibleOperation):
+                if not groups or not isinstance(groups[-1], list):
+                    groups.append([])
+                groups[-1].append(module)
+            else:
+                groups.append(module)
+        return [OperationFuser(g) if isinstance(g, list) else g for g in groups]
+
     def _groups(self) -> list:
+        """The groups, kept between calls (each fuser keeps its fused lists). While
+        dynamo traces, fresh ones: what a traced call writes to the module, dynamo
+        guards on, so filling the cache in the first compiled call would compile the
+        function again at the second (the fusion runs at trace time only)."""
+        if torch.compiler.is_compiling():
+            return self._make_groups()
         if self._module_groups is None:
-            groups: list = []
-            for module in self._modules.values():
-                if isinstance(module, FusibleOperation):
-                    if not groups or not isinstance(groups[-1], list):
-                        groups.append([])
-                    groups[-1].append(module)
-                else:
-                    groups.append(module)
-            self._module_groups = [OperationFuser(g) if isinstance(g, list) else g
-                                   for g in groups]
+            self._module_groups = self._make_groups()
         return self._module_groups
 
     def forward(self, input: torch.Tensor, *extra_inputs: torch.Tensor):  # noqa: A002
