@@ -90,8 +90,7 @@ STANDIN_ATTRS = {
         "parallel_cross_entropy", "initialize_ub", "destroy_ub",
     ],
     "transformer_engine.pytorch.tensor": [
-        "Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "NVFP4Quantizer",
-        "QuantizedTensorStorage",
+        "Float8Quantizer", "Float8CurrentScalingQuantizer", "QuantizedTensorStorage",
     ],
     "transformer_engine.pytorch.tensor.float8_tensor": [
         "Float8Quantizer", "Float8CurrentScalingQuantizer",
