@@ -19,8 +19,10 @@ from transformer_engine.pytorch.kernel_config import KernelConfig, kernel_config
 # (ops per te.Linear forward + backward, ops per step outside the modules: the autocast's
 # forward and backward updates), measured, plus a margin of 2.
 # Per-step counts depend on how the torch release decomposes the update's ops: torch
-# 2.13 (CI) dispatches 73 / 6, torch 2.11 (the GPU machine) 81 / 10.
-_PER_STEP = {"2.11": (81, 10)}.get(".".join(torch.__version__.split(".")[:2]), (73, 6))
+# 2.13 (CI) dispatches 83 / 6, torch 2.11 (the GPU machine) 91 / 10. (Each delayed
+# update leaves a column with no recorded amax alone, as TE's update kernel does:
+# 10 ops a step more than before that rule.)
+_PER_STEP = {"2.11": (91, 10)}.get(".".join(torch.__version__.split(".")[:2]), (83, 6))
 CEILINGS = {
     "delayed": (DelayedScaling, 49 + 2, _PER_STEP[0] + 2),
     "current": (Float8CurrentScaling, 79 + 2, _PER_STEP[1] + 2),

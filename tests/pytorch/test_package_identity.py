@@ -200,12 +200,15 @@ def test_model_init_enabled_builds_fp8_weights(name, recipe):
 @pytest.mark.parametrize("name", ["quantized_model_init", "fp8_model_init"])
 @pytest.mark.parametrize("recipe", [MXFP8BlockScaling(), NVFP4BlockScaling()],
                          ids=["mxfp8", "nvfp4"])
-def test_model_init_refuses_recipes_not_implemented(name, recipe):
-    with pytest.raises(NotImplementedError,
-                       match=rf"te\.{name}\(enabled=True, recipe={type(recipe).__name__}\): FP8 "
-                             "primary weights are implemented for DelayedScaling, "
-                             "Float8CurrentScaling and Float8BlockScaling"):
-        getattr(fp8, name)(enabled=True, recipe=recipe)
+def test_model_init_makes_mx_primary_weights(name, recipe):
+    """Both spellings of the FP8-primary-weight context take the emulated MX recipes
+    too: the weight is the recipe's quantized tensor, the bias stays a Parameter."""
+    from transformer_engine.pytorch.tensor import MXFP8Tensor, NVFP4Tensor
+    kind = MXFP8Tensor if isinstance(recipe, MXFP8BlockScaling) else NVFP4Tensor
+    with getattr(fp8, name)(enabled=True, recipe=recipe):
+        layer = te.Linear(64, 64, device="cpu")
+    assert isinstance(layer.weight, kind) and type(layer.bias) is torch.nn.Parameter
+    assert not fp8.FP8GlobalStateManager.with_fp8_parameters()
 
 
 @pytest.mark.parametrize("kwargs, match", [
