@@ -151,7 +151,7 @@ MUTANTS = [
            "with contextlib.nullcontext():",
            "the reentrant recompute's backward updates run at the end of its inner pass, "
            "before the enclosing pass is done",
-           CORE + (BWD,)),
+           CORE + (BWD, INNER)),
     Mutant("M15", PT + "checkpoint_modes.py",
            "            FP8GlobalStateManager.set_fp8_autocast_state(self.fp8_state)\n"
            "            try:\n",

@@ -308,3 +308,42 @@ def test_a_non_finite_outer_gradient_through_recomputed_calls_is_counted(use_ree
         FP8GlobalStateManager.reset_non_finite_amax_count()
     assert counts[0] > 0
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_one_module_before_inside_and_after_the_region_updates_once_per_pass(use_reentrant):
+    """One te.Linear called before the checkpointed function, inside it (where an inner
+    backward runs) and after it: in the outer backward its three gradient amaxes fold
+    into one history row, and one backward update follows the pass, with checkpointing
+    as without. An update run early (at the end of a reentrant recompute's own backward
+    pass, or asked for by the replayed inner backward) would split them over two rows."""
+    runs = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        shared = te.Linear(32, 32, device="cpu")
+        inner = te.Linear(32, 32, device="cpu")
+        calls = [0]
+
+        def fn(a):
+            calls[0] += 1
+            h = shared(inner(a))
+            (g,) = torch.autograd.grad(h.square().sum(), a, create_graph=True)
+            return h + 0.5 * g
+
+        for step in range(3):
+            x = (torch.randn(16, 32) * (step + 1)).requires_grad_()
+            with te.autocast(enabled=True, recipe=DELAYED):
+                h = shared(x)
+                h = te.checkpoint(fn, h, use_reentrant=use_reentrant) if checkpointed \
+                    else fn(h)
+                out = shared(h)
+            out.float().pow(2).mean().backward()
+        assert calls[0] == (6 if checkpointed else 3)
+        runs.append([(m.fp8_meta["scaling_bwd"].amax_history.clone(),
+                      m.fp8_meta["scaling_bwd"].scale.clone(),
+                      m.fp8_meta["scaling_fwd"].amax_history.clone()) for m in (shared, inner)])
+    plain, checkpointed_run = runs
+    assert bool((plain[0][0][1:, 0] != 0).any()), "no backward amax reached the history"
+    for a, b in zip(plain, checkpointed_run):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v), f"{u} vs {v}"
