@@ -221,13 +221,17 @@ def test_return_bias_gives_the_grouped_bias():
 
 
 def test_deferred_init_draws_the_per_gemm_values():
+    """A meta-device module materializes on the default device (CUDA where there is
+    one) with the values per-GEMM weights built there draw from the same seed."""
+    from transformer_engine.pytorch.module.devices import default_device
     torch.manual_seed(0)
-    ref = te.GroupedLinear(N, K, M, device="cpu")
+    ref = te.GroupedLinear(N, K, M, device=default_device(None))
     layer = te.GroupedLinear(N, K, M, device="meta", single_grouped_weight=True)
     assert layer.weight.is_meta
     torch.manual_seed(0)
     layer.reset_parameters()
-    assert torch.equal(layer.weight.cpu(), _weights(ref))
+    assert layer.weight.device == ref.weight0.device
+    assert torch.equal(layer.weight.cpu(), _weights(ref).cpu())
 
 
 def test_fp8_primary_weights_are_refused():

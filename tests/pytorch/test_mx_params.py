@@ -144,7 +144,7 @@ def test_optimizer_step_quantizes_into_the_same_weight(recipe):
     """An optimizer's write keeps the parameter object and stores the cast of the new
     value into both copies."""
     with te.quantized_model_init(recipe=recipe):
-        model = te.Linear(64, 32)
+        model = te.Linear(64, 32, device="cpu")
     w = model.weight
     before = w.dequantize().clone()
     _step(model, recipe, torch.randn(8, 64), 0)
@@ -185,7 +185,7 @@ def test_state_dict_round_trips_bit_for_bit(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_a_weight_runs_only_under_its_recipe_class(recipe):
     with te.quantized_model_init(recipe=recipe):
-        model = te.Linear(32, 32)
+        model = te.Linear(32, 32, device="cpu")
     other = NVFP4BlockScaling() if recipe.mxfp8() else MXFP8BlockScaling()
     for wrong in (other, Float8BlockScaling()):
         with pytest.raises(RuntimeError, match="Recipe mismatch"), te.autocast(recipe=wrong):
@@ -196,7 +196,7 @@ def test_a_weight_runs_only_under_its_recipe_class(recipe):
 
 def test_tensors_behave_as_their_dequantized_value():
     with te.quantized_model_init(recipe=MXFP8BlockScaling()):
-        model = te.Linear(64, 32, params_dtype=torch.bfloat16)
+        model = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cpu")
     w = model.weight
     assert w.dtype == torch.bfloat16 and w.shape == (32, 64)
     value = w.dequantize()
