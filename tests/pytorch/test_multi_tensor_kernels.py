@@ -64,6 +64,22 @@ def randn(dtypes, device):
     return [torch.randn(s, dtype=d).to(device) for d in dtypes for s in SIZES]
 
 
+def split_masters(device):
+    """bfloat16 params and int16 remainders that together hold float32 masters drawn
+    from the normal distribution (TE's layout: the high half rounded half away from
+    zero, so a negative low half means the high half went up). Random remainders
+    beside unrelated params would make masters that are NaN, whose payload the GPU
+    does not keep."""
+    params, rems = [], []
+    for size in SIZES:
+        bits = torch.randn(size).view(torch.int32)
+        lo = (bits & 0xFFFF).to(torch.int16)
+        hi = (bits >> 16) + (lo < 0).to(torch.int32)
+        params.append(hi.to(torch.int16).view(BF16).to(device))
+        rems.append(lo.to(device))
+    return params, rems
+
+
 def randn_like(t):
     """Normal values like ``t``, drawn on the CPU (the CUDA generator draws other
     numbers for the same seed) and moved to ``t``'s device."""
@@ -111,7 +127,10 @@ def test_l2norm_matches_torch(unscale):
 def test_adam_matches_torch(variant, adamw):
     def build(device):
         low = variant in ("master", "remainder", "capturable-master")
-        p = randn([BF16 if low else F32], device)
+        if variant == "remainder":
+            p, rems = split_masters(device)
+        else:
+            p = randn([BF16 if low else F32], device)
         g = [randn_like(t) for t in p]
         state = BF16 if variant == "bf16-states" else F32
         m = [torch.randn(t.shape, dtype=state).to(device) for t in p]
@@ -120,8 +139,7 @@ def test_adam_matches_torch(variant, adamw):
         if variant in ("master", "capturable-master"):
             lists.append([t.float() + 1e-3 for t in p])
         if variant == "remainder":
-            lists.append([torch.randint(-2 ** 15, 2 ** 15, t.shape, dtype=torch.int16).to(device)
-                          for t in p])
+            lists.append(rems)
         noop = torch.zeros(1, dtype=torch.int32, device=device)
         for step in (1, 2, 7):
             if variant.startswith("capturable"):
