@@ -63,6 +63,7 @@ TESTS=(
     tests/pytorch/test_strided_inputs.py
     tests/pytorch/test_layer_variants.py
     tests/pytorch/test_triton_kernels.py
+    tests/pytorch/test_kernel_ptx.py
     tests/pytorch/test_fused_producers.py
     tests/pytorch/test_torch_compile.py
     tests/pytorch/test_train_gpt.py
