@@ -60,7 +60,7 @@ def test_a_value_set_later_is_checked_at_autocast_entry():
     recipe.backward_override = "half"
     with pytest.raises(ValueError, match=r"te.autocast: Float8CurrentScaling: backward_override"):
         with te.autocast(recipe=recipe):
-            pass
+            pytest.fail("te.autocast entered with an invalid backward_override")
 
 
 # ---- te.Linear: exact backward -------------------------------------------------------------

@@ -119,7 +119,7 @@ class _RerunRng:
         return []
 
     def prepare_backward(self, states):
-        pass
+        """Nothing to prepare: the stand-in replays its capture, it keeps no graph."""
 
 
 def _graphed_on_cpu(monkeypatch, modules, sample_args, sample_kwargs=None):
