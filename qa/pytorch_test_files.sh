@@ -79,6 +79,7 @@ TESTS=(
     tests/pytorch/test_megatron_moe.py
     tests/pytorch/test_megatron_te_ops.py
     tests/pytorch/test_megatron_optimizers.py
+    tests/pytorch/test_megatron_mxfp8.py
     tests/pytorch/test_fused_optimizers.py
     tests/pytorch/test_multi_tensor_ops.py
     tests/pytorch/test_multi_tensor_kernels.py

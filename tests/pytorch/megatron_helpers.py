@@ -147,8 +147,10 @@ def megatron_on_cpu(tmp_path, monkeypatch, client_deadline):
 VOCAB, SEQ, BATCH, HIDDEN, EXPERTS = 128, 16, 2, 64, 2
 
 
-def gpt_config(moe: bool = False, recompute: bool = False, fp8_param: bool = False):
-    """A 2-layer GPT's TransformerConfig: FP8 hybrid delayed scaling (history 4), CPU
+def gpt_config(moe: bool = False, recompute: bool = False, fp8_param: bool = False,
+               fp8_recipe: str = "delayed"):
+    """A 2-layer GPT's TransformerConfig: FP8 hybrid, Megatron's ``fp8_recipe`` (delayed
+    scaling with history 4 by default; "mxfp8" is ``--fp8-recipe mxfp8``), CPU
     initialization in float32, no dropout; ``moe``: 2 experts a layer as grouped GEMMs
     (top-1 routing, allgather dispatch); ``recompute``: full activation recompute of
     every layer (which Megatron routes through te.distributed.checkpoint);
@@ -164,7 +166,7 @@ def gpt_config(moe: bool = False, recompute: bool = False, fp8_param: bool = Fal
     return TransformerConfig(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
         params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_param=fp8_param,
+        fp8="hybrid", fp8_recipe=fp8_recipe, fp8_amax_history_len=4, fp8_param=fp8_param,
         **extra)
 
 
