@@ -89,4 +89,5 @@ TESTS=(
     tests/pytorch/distributed/test_tensor_parallel_layer.py
     tests/pytorch/distributed/test_distributed_checkpoint.py
     tests/pytorch/distributed/test_dcp_fp8_state.py
+    tests/pytorch/distributed/test_dcp_mx_state.py
 )
