@@ -52,6 +52,7 @@ TESTS=(
     tests/pytorch/test_graph.py
     tests/pytorch/test_graph_api.py
     tests/pytorch/test_graph_dropout.py
+    tests/pytorch/test_graph_mx.py
     tests/pytorch/test_rng_tracker.py
     tests/pytorch/test_modules.py
     tests/pytorch/test_clamped_swiglu.py
