@@ -2,7 +2,8 @@
 ``MXFP8BlockScaling`` from its config, and a small GPT from its TE layer spec trains
 under Megatron's FP8 context in exactly emulated MXFP8, with full activation recompute
 bit-identical to none (losses and gradients), with high-precision and MXFP8 primary
-weights."""
+weights; its state dict (MXFP8 weights and the recipe in the extra state) loads into a
+fresh GPT bit for bit."""
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from transformer_engine.pytorch.tensor import QuantizedTensor
 from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Tensor
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor
 from helpers import assert_runs_equal
-from megatron_helpers import counted_run, gpt_config, needs_megatron
+from megatron_helpers import (counted_run, gpt_config, gpt_model, needs_megatron, te_modules_of,
+                              train)
 
 pytestmark = needs_megatron
 
@@ -59,3 +61,30 @@ def test_megatron_mxfp8_full_recompute_matches_no_recompute(megatron_on_cpu, fp8
     # Megatron finds them through TE's module path (its DDP buffers ask)
     assert all(fp8_utils.is_mxfp8tensor(p) for p in weights)
     assert not torch.equal(plain.record[0].loss, ref.record[0].loss)
+
+
+@pytest.mark.parametrize("fp8_param", [False, True], ids=["hp-weights", "mxfp8-weights"])
+def test_mxfp8_gpt_round_trips_through_load_state_dict(megatron_on_cpu, fp8_param):
+    """An MXFP8-trained GPT's state dict (the extra state holds the MXFP8 recipe) loads
+    into a freshly built one: every parameter (an MXFP8 weight's storage bytes) equal,
+    the TE modules' recipe restored, and one more step of each gives the same record."""
+    config = gpt_config(fp8_recipe="mxfp8", fp8_param=fp8_param)
+    torch.manual_seed(0)
+    trained = gpt_model(config)
+    train(trained, config, 2)
+    torch.manual_seed(5)
+    fresh = gpt_model(config)
+    result = fresh.load_state_dict(trained.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    for (name, a), b in zip(fresh.named_parameters(), trained.parameters()):
+        assert type(a) is type(b), name
+        if isinstance(a, QuantizedTensor):
+            for x, y in zip(a._storage().values(), b._storage().values()):
+                assert (x is None and y is None) or torch.equal(
+                    x.view(torch.uint8), y.view(torch.uint8)), name
+        else:
+            assert torch.equal(a, b), name
+    recipes = [m.fp8_meta.get("recipe") for m in te_modules_of(fresh)]
+    # QKV, proj, FC1, FC2 of 2 layers hold the trained recipe
+    assert sum(r is not None and r.mxfp8() for r in recipes) == 8, recipes
+    assert_runs_equal(train(trained, config, 1, seed=9), train(fresh, config, 1, seed=9))
