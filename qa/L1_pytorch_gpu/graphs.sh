@@ -29,7 +29,7 @@ step() {                                    # step NAME COMMAND...: run, log, re
 }
 
 step tests_graphs "$PY" -m pytest -q -p no:cacheprovider -rfEs \
-    tests/pytorch/test_graph.py tests/pytorch/test_graph_dropout.py \
+    tests/pytorch/test_graph.py tests/pytorch/test_graph_mx.py tests/pytorch/test_graph_dropout.py \
     tests/pytorch/test_rng_tracker.py tests/pytorch/test_checkpoint_replay.py
 step tests_train_gpt "$PY" -m pytest -q -p no:cacheprovider -rfEs \
     tests/pytorch/test_train_gpt.py -k "cuda_graphs or bit_identical"
