@@ -112,7 +112,11 @@ STANDIN_ATTRS = {
     "transformer_engine.pytorch.ops.fused": [
         "BackwardActivationBias", "BackwardAddRMSNorm", "BackwardLinearAdd",
         "BackwardLinearScale", "ForwardLinearBiasActivation", "ForwardLinearBiasAdd",
-        "ForwardLinearScaleAdd",
+        "ForwardLinearScaleAdd", "UserbuffersForwardLinear",
+    ],
+    "transformer_engine.pytorch.ops": [
+        "GroupedLinear", "Dropout", "SiTUGLU", "ScaledSwiGLU", "ScaledSiTUGLU", "ScaledSReLU",
+        "ScaledClampedQGeGLU",
     ],
     "transformer_engine.pytorch.tensor": [
         "Float8Quantizer", "Float8CurrentScalingQuantizer", "QuantizedTensorStorage",
