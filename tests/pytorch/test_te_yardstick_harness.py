@@ -43,6 +43,8 @@ def test_standins_import_raise_when_used_and_never_shadow_a_real_name():
             check_set_window_size)
         from transformer_engine.pytorch._extra_state import UNSAFE_PICKLE_EXTRA_STATE_ENV
         assert te.Linear is Linear                            # real names stay
+        from transformer_engine.pytorch.optimizers import multi_tensor_l2norm
+        assert tex.multi_tensor_l2norm is multi_tensor_l2norm  # TE re-exports it as this
         assert not isinstance(1.0, te.Float8Quantizer)
         placeholder = te.Float8Quantizer(tex.DType.kFloat8E4M3)   # import time: inert
         try:
