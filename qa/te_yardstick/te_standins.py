@@ -360,6 +360,7 @@ def _started(path):
     return started
 
 
+@pytest.hookimpl(trylast=True)              # after pytest's own -k / -m deselection
 def pytest_collection_modifyitems(session, config, items):
     from selection import deselection_reason   # this folder is on sys.path with the plugin
     keep, dropped = [], []
