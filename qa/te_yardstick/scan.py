@@ -5,7 +5,7 @@
 For every test function (module level or in a ``Test*`` class) it follows, within
 the file and into the test folder's ``utils.py``, the module-level helpers it calls
 and the parameter lists its decorators name, and reports each stand-in (and each
-``te.ops`` operation, which this package refuses to build) that is *used*: called,
+``te.ops`` operation this package's ``te.ops`` lacks) that is *used*: called,
 subscripted or read an attribute of. An ``isinstance`` / ``issubclass`` check
 against one is not a use (it is simply False). The result is the candidate list
 from which selection.py's deselections were written, each then read and given its
@@ -21,11 +21,19 @@ from typing import Dict, List, Set
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from te_standins import STANDIN_ATTRS, STANDIN_MODULES, STANDIN_VALUES  # noqa: E402
+from te_standins import STANDIN_ALIASES, STANDIN_ATTRS, STANDIN_MODULES, STANDIN_VALUES  # noqa: E402
 
-# te.ops operations this package does not build (te.ops.L2Normalization it does)
+# te.ops operations: a capitalised name this package's te.ops lacks counts as a stand-in
+# (te.ops.ScaledSwiGLU, te.ops.GroupedLinear, ...).
 REFUSED_OPS_MODULE = "transformer_engine.pytorch.ops"
-BUILT_OPS = {"L2Normalization"}
+
+
+def _built_ops() -> Set[str]:
+    import transformer_engine.pytorch.ops as te_ops
+    return {name for name in dir(te_ops) if not name.startswith("_")}
+
+
+BUILT_OPS = _built_ops()
 
 
 def _standin_module(name: str) -> bool:
@@ -67,7 +75,8 @@ class _Imports:
         for i in range(1, len(parts) + 1):
             mod, nxt = ".".join(parts[:i]), (parts[i] if i < len(parts) else None)
             if _standin_module(mod):
-                return "" if (mod, nxt) in STANDIN_VALUES else dotted
+                real = (mod, nxt) in STANDIN_VALUES or (mod, nxt) in STANDIN_ALIASES
+                return "" if real else dotted
             if nxt is not None and nxt in STANDIN_ATTRS.get(mod, ()):
                 return f"{mod}.{nxt}"
             if mod == REFUSED_OPS_MODULE and nxt is not None and nxt not in BUILT_OPS \
@@ -103,11 +112,12 @@ class _Uses(ast.NodeVisitor):
 
     def visit_Attribute(self, node):
         chain = _chain(node)
-        if chain:
+        if chain:                   # a dotted name: judged whole (tex.multi_tensor_scale is real)
             found = self.imports.standin(chain)
             if found:
                 self.used.add(found)
-                return
+            self.names.add(chain[0])
+            return
         self.generic_visit(node)
 
     def visit_ImportFrom(self, node):

@@ -25,6 +25,9 @@ FILES = {
     "test_deferred_init.py": 1,
     "test_gqa.py": 1,
     "test_jit.py": 1,
+    "test_fusible_ops.py": 4,
+    "test_fused_optimizer.py": 1,
+    "test_multi_tensor.py": 2,
 }
 
 # GPU memory (GiB) one chunk process of a file may take at its peak; the runner starts
@@ -53,10 +56,9 @@ EXCLUDED_FILES = {
     "test_torch_compile.py": "registers torch.library ops on TE's quantizer internals at import "
                              "time (ops.basic.BasicLinear, dynamo.TensorSpec, NVFP4 tensors)",
     "test_checkpoint.py": "loads checkpoint artifacts made by NVIDIA's build "
-                          "(NVTE_TEST_CHECKPOINT_ARTIFACT_PATH), and te.ops.Linear",
+                          "(NVTE_TEST_CHECKPOINT_ARTIFACT_PATH)",
     "test_hf_integration.py": "needs the transformers package",
     "test_sanity_import.py": "has no test (prints OK on import)",
-    "test_fusible_ops.py": "te.ops (fusible operations): not implemented by this package",
     "test_float8_current_scaling_exact.py": "tex kernels and custom_recipes reference quantizers",
     "test_float8_blockwise_gemm_exact.py": "tex block-scaled GEMM kernels",
     "test_float8_blockwise_scaling_exact.py": "tex block-scaled cast kernels",
@@ -64,10 +66,15 @@ EXCLUDED_FILES = {
     "test_quantized_tensor.py": "TE's quantizer classes (Float8Quantizer, MXFP8, NVFP4)",
     "test_cpu_offloading.py": "get_cpu_offload_context (not implemented)",
     "test_cpu_offloading_v1.py": "get_cpu_offload_context (not implemented)",
-    "other files": "MXFP8 / NVFP4 / grouped tensors / permutation / router / optimizers / "
-                   "ONNX / multi-tensor kernels / custom recipes: NVIDIA-native or not part "
-                   "of this package",
+    "other files": "grouped tensors / permutation / router / ONNX / custom recipes / "
+                   "MXFP8 and NVFP4 kernel-exactness files (test_mxfp8_2d_quantize.py, mxfp8/, "
+                   "nvfp4/): NVIDIA-native kernels or not part of this package; not reviewed "
+                   "again since te.ops, te.optimizers and the MXFP8 / NVFP4 recipes came",
 }
+
+# The parameter ids of TE's quantization schemes (test_fusible_ops.py's
+# ``quantization`` parameter): "fp8_delayed_scaling", "mxfp8", "nvfp4_4over6", ...
+_QUANTIZED_IDS = r"(^|-)(fp8\w*|mxfp8|nvfp4\w*)(-|$)"
 
 # (test, parameter-id regex or None, reason)
 DESELECT = [
@@ -81,11 +88,7 @@ DESELECT = [
      "calls cpp_extensions.general_gemm with a Float8Quantizer (NVIDIA-native)"),
     ("test_sanity.py::test_replace_raw_data_for_float8tensor", None,
      "tensor.utils.replace_raw_data on a Float8CurrentScalingQuantizer tensor (NVIDIA-native)"),
-    ("test_sanity.py::test_inference_mode", r"ops\.Linear",
-     "te.ops.Linear: fusible operations are not implemented by this package"),
     # test_recipe.py
-    ("test_recipe.py::TestFP8Recipe::test_fp8_scale_update_with_linear_fuser_op", None,
-     "te.ops.BasicLinear: fusible operations are not implemented by this package"),
     ("test_recipe.py::TestFP8Recipe::test_scale_update_numeric_scenarios", None,
      "calls tex.fused_amax_and_scale_update_after_reduction (NVIDIA-native kernel)"),
     ("test_recipe.py::TestFP8Recipe::test_dynamic_recipe_update", None,
@@ -93,9 +96,11 @@ DESELECT = [
      "Float8Block quantizers); the recipe-change warning it also checks is tested in "
      "tests/pytorch/test_fp8_autocast.py"),
     ("test_recipe.py::test_nvfp4_row_scaled_quantizer_roles", None,
-     "NVFP4 recipe state and quantizer roles (NVFP4 is not implemented)"),
+     "quantization.NVFP4BlockScalingRecipeState and QuantizerRole: TE's recipe-state "
+     "internals (TE >= 2.12), not this package's API"),
     ("test_recipe.py::test_fp4_dequantize", None,
-     "NVFP4Quantizer (NVFP4 is not implemented)"),
+     "te.NVFP4Quantizer with TE's constructor (with_rht, stochastic_rounding, ...): the "
+     "package's NVFP4Quantizer is tensor.NVFP4Quantizer, not TE's top-level class"),
     ("test_recipe.py::test_checkpoint_extra_state_policy_classifier_map_covers_all_recipes", None,
      "TE >= 2.14's private _extra_state policy table"),
     ("test_recipe.py::test_stateless_pickled_extra_state_is_ignored", None,
@@ -107,10 +112,6 @@ DESELECT = [
     ("test_recipe.py::test_stateful_unknown_or_malformed_pickled_extra_state_requires_opt_in",
      None, "TE >= 2.14's private _extra_state module and CustomRecipe (not implemented)"),
     # test_cuda_graphs.py
-    ("test_cuda_graphs.py::test_make_graphed_callables", r"linear_op",
-     "te.ops.Sequential / te.ops.Linear: fusible operations are not implemented"),
-    ("test_cuda_graphs.py::test_make_graphed_callables_with_fp8_weight_caching", r"linear_op",
-     "te.ops.Sequential / te.ops.Linear: fusible operations are not implemented"),
     # test_jit.py
     ("test_jit.py::test_lazy_compile", None,
      "transformer_engine.pytorch.jit: TE's internal fused elementwise functions"),
@@ -121,20 +122,18 @@ DESELECT = [
     # test_backward_override.py
     ("test_backward_override.py::test_linear_like_backward_override_matches_reference", None,
      "its reference is computed with cpp_extensions.general_gemm / layernorm_bwd "
-     "(NVIDIA-native), and some cases use te.ops.Linear"),
+     "(NVIDIA-native)"),
     ("test_backward_override.py::test_grouped_linear_backward_override_matches_reference", None,
      "its reference is computed with cpp_extensions.general_gemm (NVIDIA-native)"),
     ("test_backward_override.py::test_fused_linear_paths_match_backward_override_reference",
-     None, "te.ops fused operations and cpp_extensions.general_gemm"),
+     None, "its reference is computed with cpp_extensions.general_gemm (NVIDIA-native)"),
     ("test_backward_override.py::test_fused_bias_activation_matches_masked_linear_backward",
-     None, "te.ops fused operations and cpp_extensions.general_gemm"),
+     None, "its reference is computed with cpp_extensions.general_gemm (NVIDIA-native)"),
     ("test_backward_override.py::"
      "test_operation_fuser_rebuilds_userbuffers_fusion_on_backward_override_switch", None,
-     "te.ops operation fuser and Userbuffers"),
-    ("test_backward_override.py::test_quantize_op_respects_backward_override", None,
-     "te.ops.Quantize"),
+     "Userbuffers (initialize_ub): communication overlap, not part of this package"),
     ("test_backward_override.py::test_backward_override_memory_peak_report", None,
-     "builds te.ops.Linear modules for some cases; a diagnostic report, no assertion on API"),
+     "a diagnostic memory report: it prints, and asserts nothing about the API"),
     ("test_backward_override.py::"
      "test_linear_backward_override_dequantized_ignores_save_original_input", None,
      "reads TE's saved operands through quantized_tensor.restore_from_saved(grad_fn."
@@ -153,6 +152,71 @@ DESELECT = [
      "grad_output_quantizer, reduce_and_update_bwd_fp8_tensors): internals, not API"),
     ("test_backward_override.py::test_grouped_linear_runtime_backward_override_switch_updates_ctx",
      None, "asserts attributes of NVIDIA's autograd ctx: internals, not API"),
+    # test_fused_optimizer.py
+    ("test_fused_optimizer.py::TestAdamTest::test_grad_scaler", None,
+     "utils.gpu_autocast_ctx: TE's internal autocast helper"),
+    ("test_fused_optimizer.py::TestAdamTest::test_grad_scaler_capturable", None,
+     "utils.gpu_autocast_ctx: TE's internal autocast helper"),
+    ("test_fused_optimizer.py::TestAdamTest::test_grad_scaler_capturable_master", None,
+     "utils.gpu_autocast_ctx: TE's internal autocast helper"),
+    # test_multi_tensor.py (tex.multi_tensor_scale / _l2norm / ... are the package's
+    # te.optimizers functions, as in TE: te_standins.STANDIN_ALIASES)
+    ("test_multi_tensor.py::test_multi_tensor_compute_scale_and_scale_inv", None,
+     "tex.multi_tensor_compute_scale_and_scale_inv: NVIDIA-native kernel, no public TE path"),
+    ("test_multi_tensor.py::test_multi_tensor_compute_scale_inv_e8m0", None,
+     "tex.multi_tensor_compute_scale_inv_e8m0: NVIDIA-native kernel, no public TE path"),
+    # test_fusible_ops.py: te.ops operations this package's te.ops does not build
+    *[(f"test_fusible_ops.py::TestBasicOps::{name}", None,
+       f"te.ops.{op}: an operation this package's te.ops does not build")
+      for name, op in (
+          ("test_situglu", "SiTUGLU"), ("test_situglu_invalid_beta", "SiTUGLU"),
+          ("test_situglu_mxfp8_quantization", "SiTUGLU"), ("test_dropout", "Dropout"),
+          ("test_grouped_linear", "GroupedLinear"),
+          ("test_grouped_linear_caller_buffers", "GroupedLinear"),
+          ("test_scaled_swiglu", "ScaledSwiGLU"), ("test_scaled_situglu", "ScaledSiTUGLU"),
+          ("test_scaled_srelu", "ScaledSReLU"),
+          ("test_interleaved_scaled_swiglu", "ScaledSwiGLU"),
+          ("test_scaled_glu_rejects_activation_recompute_in_mlp", "ScaledSwiGLU"),
+          ("test_scaled_srelu_activation_recompute_in_mlp_config", "ScaledSReLU"),
+          ("test_scaled_clamped_qgeglu", "ScaledClampedQGeGLU"),
+          ("test_interleaved_scaled_clamped_qgeglu", "ScaledClampedQGeGLU"))],
+    ("test_fusible_ops.py::TestSequentialModules::test_grouped_mlp", None,
+     "te.ops.GroupedLinear / ScaledSwiGLU / ScaledSReLU: operations this package's te.ops "
+     "does not build"),
+    ("test_fusible_ops.py::TestSequentialModules::test_grouped_mlp_nvfp4_rht_srelu", None,
+     "te.ops.GroupedLinear / ScaledSReLU and TE's NVFP4Quantizer(with_rht=True)"),
+    ("test_fusible_ops.py::TestFuser::test_fp8_scale_update", None,
+     "its tolerances come from utils.quantization_tols, which reads tex.DType "
+     "(NVIDIA-native; a ValueError without it)"),
+    # test_fusible_ops.py: QuantizerRole(...) is built on every case
+    *[(f"test_fusible_ops.py::{name}", None,
+       "builds quantization.QuantizerRole (TE >= 2.12's quantizer-role API, not in this "
+       "package) for every case")
+      for name in ("TestFuser::test_dtype_cast", "TestBasicOps::test_linear",
+                   "TestFusedOps::test_forward_linear_bias_activation",
+                   "TestFusedOps::test_forward_linear_bias_add",
+                   "TestFusedOps::test_forward_linear_scale_add",
+                   "TestFusedOps::test_backward_linear_add",
+                   "TestFusedOps::test_backward_linear_scale",
+                   "TestSequentialModules::test_layernorm_mlp")],
+    # test_fusible_ops.py: the quantized cases quantize their inputs with TE's quantizer
+    # classes (Float8Quantizer(fp8_dtype=tex.DType...), MXFP8Quantizer, NVFP4Quantizer,
+    # Float8BlockQuantizer) and take tolerances from utils.quantization_tols (tex.DType)
+    *[(f"test_fusible_ops.py::{name}", _QUANTIZED_IDS,
+       "quantized case: TE's quantizer classes with tex.DType (make_reference_and_test_"
+       "tensors) and utils.quantization_tols: NVIDIA-native")
+      for name in ("TestFuser::test_pyt_autocast", "TestBasicOps::test_identity",
+                   "TestBasicOps::test_reshape", "TestBasicOps::test_bias",
+                   "TestBasicOps::test_quantize", "TestBasicOps::test_basic_linear",
+                   "TestBasicOps::test_basic_linear_quantized",
+                   "TestBasicOps::test_layer_norm", "TestBasicOps::test_rmsnorm",
+                   "TestBasicOps::test_add_extra_input", "TestBasicOps::test_make_extra_output",
+                   "TestBasicOps::test_activation", "TestBasicOps::test_swiglu",
+                   "TestBasicOps::test_clamped_swiglu",
+                   "TestFusedOps::test_backward_activation_bias",
+                   "TestCheckpointing::test_linear",
+                   "TestTrainingLoops::test_linear_training_loop",
+                   "TestTrainingLoops::test_linear_inference_loop")],
 ]
 
 # Tests scan.py flags that stay selected: the stand-in is on a path they never take.
@@ -160,8 +224,16 @@ REVIEWED_KEPT = {
     "test_sanity.py::test_sanity_grouped_linear":
         "module.is_module_grouped_tensor_path_supported is called only with "
         "NVTE_GROUPED_LINEAR_SINGLE_PARAM=1, which the runner does not set (those cases skip)",
-    "test_cuda_graphs.py::test_make_graphed_callables_grouped_linear_with_fp8_weight_caching":
-        "the te.ops branch of the shared helper is for module='linear_op' only",
+    **{f"test_fusible_ops.py::{name}":
+       "make_reference_and_test_tensors reaches TE's quantizer classes only with a "
+       "quantization scheme, and this test passes none"
+       for name in ("TestBasicOps::test_layer_norm_autocast", "TestBasicOps::test_l2normalization",
+                    "TestBasicOps::test_constant_scale", "TestFusedOps::test_backward_add_rmsnorm",
+                    "TestCustomOps::test_custom_basic_op",
+                    "TestCustomOps::test_custom_forward_fused_op1",
+                    "TestCustomOps::test_custom_forward_fused_op2",
+                    "TestCustomOps::test_custom_backward_fused_op",
+                    "TestCustomOps::test_custom_forward_backward_fused_op")},
 }
 
 _BY_TEST = {}

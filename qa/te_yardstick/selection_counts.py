@@ -52,8 +52,14 @@ def main(argv):
     out = argv[1] if len(argv) > 1 else os.path.join(HERE, "SELECTION.md")
     rows, totals = [], Counter()
     reasons = {}
+    broken = {}
     for name in FILES:
-        selected, deselected = collect(tests_dir, name)
+        try:
+            selected, deselected = collect(tests_dir, name)
+        except RuntimeError as err:
+            errors = [ln[1:].strip() for ln in str(err).splitlines() if ln.startswith("E ")]
+            broken[name] = errors[-1] if errors else str(err).splitlines()[0]
+            continue
         per = defaultdict(Counter)
         for nodeid in selected:
             per[test_key(nodeid)]["run"] += 1
@@ -83,13 +89,18 @@ def main(argv):
         if not des and note:
             note = "kept (scan.py flags it): " + note
         lines.append(f"| `{key}` | {run} | {des} | {note} |")
+    if broken:
+        lines += ["", "## Selected files that fail to collect (no case of them counted)", ""]
+        lines += [f"- `{name}`: {why}" for name, why in broken.items()]
     lines += ["", "## Files left out", ""]
     lines += [f"- `{name}`: {why}" for name, why in EXCLUDED_FILES.items()]
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"{len(runs)} functions, {totals['run']} cases run, {totals['deselected']} "
           f"deselected; wrote {out}")
-    return 0
+    for name, why in broken.items():
+        print(f"collection of {name} failed: {why}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":

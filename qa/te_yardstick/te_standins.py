@@ -8,6 +8,9 @@ Loaded with ``-p te_standins`` (this folder on ``PYTHONPATH``). It does three th
    backend internals). `install_standins` puts importable stand-ins in their place, so
    that the files collect; a stand-in raises ``NotImplementedError`` naming itself as
    soon as it is called or instantiated, and ``isinstance(x, stand_in)`` is False.
+   A few extension functions TE re-exports under its own public path
+   (``tex.multi_tensor_scale is te.optimizers.multi_tensor_scale``) give the package's
+   function of that path (`STANDIN_ALIASES`).
    The names this package has are never replaced (`STANDIN_ATTRS` adds only missing
    attributes, and the check at install time refuses to shadow a real one).
 2. The selection (selection.py): test functions that use a stand-in, or that need
@@ -58,6 +61,8 @@ STANDIN_MODULES = {
     "transformer_engine.pytorch.custom_recipes": "TE's custom-recipe reference quantizers",
     "transformer_engine.pytorch.dynamo": "TE's torch.compile tensor specs",
     "transformer_engine.pytorch.jit": "TE's TorchScript/nvFuser fused elementwise functions",
+    "transformer_engine.pytorch.ops.basic.grouped_linear":
+        "te.ops.GroupedLinear and its user-buffer keys (not built by this package)",
 }
 
 
@@ -80,6 +85,20 @@ STANDIN_VALUES = {
      "check_set_window_size"): _window_for_mask,
 }
 
+# TE's optimizers module re-exports these functions of its extension
+# (``te.optimizers.multi_tensor_scale is tex.multi_tensor_scale``), and TE's
+# test_multi_tensor.py passes the ``tex`` ones to ``MultiTensorApply``: the extension's
+# name gives the package's own function, as it gives TE's. The extension's other
+# multi-tensor kernels stay stand-ins.
+STANDIN_ALIASES = {
+    ("transformer_engine_torch", name): ("transformer_engine.pytorch.optimizers", name)
+    for name in ("multi_tensor_scale", "multi_tensor_scale_tensor", "multi_tensor_l2norm",
+                 "multi_tensor_unscale_l2norm", "multi_tensor_adam",
+                 "multi_tensor_adam_param_remainder", "multi_tensor_adam_fp8",
+                 "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master",
+                 "multi_tensor_sgd")
+}
+
 # Names missing from modules this package has (NVIDIA-native or internal).
 STANDIN_ATTRS = {
     "transformer_engine.pytorch": [
@@ -87,7 +106,17 @@ STANDIN_ATTRS = {
         "MXFP8Quantizer", "NVFP4Quantizer", "Quantizer", "MXFP8Tensor", "NVFP4Tensor",
         "Float8BlockwiseQTensor", "MXFP8TensorStorage", "Float8TensorStorage", "DType",
         "InferenceParams", "get_cpu_offload_context", "get_cudnn_version", "onnx_export",
-        "parallel_cross_entropy", "initialize_ub", "destroy_ub",
+        "parallel_cross_entropy", "initialize_ub", "destroy_ub", "QuantizerRole",
+    ],
+    "transformer_engine.pytorch.utils": ["gpu_autocast_ctx"],
+    "transformer_engine.pytorch.ops.fused": [
+        "BackwardActivationBias", "BackwardAddRMSNorm", "BackwardLinearAdd",
+        "BackwardLinearScale", "ForwardLinearBiasActivation", "ForwardLinearBiasAdd",
+        "ForwardLinearScaleAdd", "UserbuffersForwardLinear",
+    ],
+    "transformer_engine.pytorch.ops": [
+        "GroupedLinear", "Dropout", "SiTUGLU", "ScaledSwiGLU", "ScaledSiTUGLU", "ScaledSReLU",
+        "ScaledClampedQGeGLU",
     ],
     "transformer_engine.pytorch.tensor": [
         "Float8Quantizer", "Float8CurrentScalingQuantizer", "QuantizedTensorStorage",
@@ -190,6 +219,9 @@ class _StandInModule(types.ModuleType):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         value = STANDIN_VALUES.get((self.__name__, name))
+        alias = STANDIN_ALIASES.get((self.__name__, name))
+        if alias is not None:
+            value = getattr(importlib.import_module(alias[0]), alias[1])
         if value is None:
             value = _make_standin(f"{self.__name__}.{name}", self._standin_origin)
         setattr(self, name, value)
@@ -241,6 +273,10 @@ def install_standins() -> None:
                                    "drop its stand-in")
             setattr(module, name, _make_standin(f"{module_name}.{name}",
                                                 f"{module_name}.{name}"))
+    for (module_name, name), (target, attr) in STANDIN_ALIASES.items():
+        if not hasattr(importlib.import_module(target), attr):
+            raise RuntimeError(f"te_standins: {module_name}.{name} is aliased to {target}.{attr}, "
+                               "which this package does not have")
     if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _StandInFinder())
 
@@ -324,6 +360,7 @@ def _started(path):
     return started
 
 
+@pytest.hookimpl(trylast=True)              # after pytest's own -k / -m deselection
 def pytest_collection_modifyitems(session, config, items):
     from selection import deselection_reason   # this folder is on sys.path with the plugin
     keep, dropped = [], []

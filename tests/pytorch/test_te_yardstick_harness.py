@@ -43,6 +43,8 @@ def test_standins_import_raise_when_used_and_never_shadow_a_real_name():
             check_set_window_size)
         from transformer_engine.pytorch._extra_state import UNSAFE_PICKLE_EXTRA_STATE_ENV
         assert te.Linear is Linear                            # real names stay
+        from transformer_engine.pytorch.optimizers import multi_tensor_l2norm
+        assert tex.multi_tensor_l2norm is multi_tensor_l2norm  # TE re-exports it as this
         assert not isinstance(1.0, te.Float8Quantizer)
         placeholder = te.Float8Quantizer(tex.DType.kFloat8E4M3)   # import time: inert
         try:
@@ -75,9 +77,12 @@ def test_selection_is_consistent():
     for test, _ids, reason in selection.DESELECT:
         assert test.split("::")[0] in selection.FILES, test
         assert reason and len(reason) < 300, test
+    key = "test_fusible_ops.py::TestBasicOps::test_bias"
+    assert selection.deselection_reason(f"x/y/{key}[mxfp8-cuda-dtype0-5-1]")
+    assert selection.deselection_reason(f"x/y/{key}[nvfp4_4over6-cuda-dtype0-5-1]")
+    assert selection.deselection_reason(f"{key}[None-cuda-dtype0-5-1]") is None
     key = "test_cuda_graphs.py::test_make_graphed_callables"
-    assert selection.deselection_reason(f"x/y/{key}[None-Float8BlockScaling-dtype0-linear_op]")
-    assert selection.deselection_reason(f"{key}[None-Float8BlockScaling-dtype0-linear]") is None
+    assert selection.deselection_reason(f"{key}[None-Float8BlockScaling-dtype0-linear_op]") is None
     assert selection.deselection_reason("test_jit.py::test_lazy_compile") is not None
     assert selection.deselection_reason("test_qk_norm.py::test_qk_norm_functionality[a]") is None
 
