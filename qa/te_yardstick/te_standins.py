@@ -51,8 +51,6 @@ STANDIN_MODULES = {
     "transformer_engine.pytorch._extra_state": "TE's extra-state pickle policy (TE >= 2.14)",
     "transformer_engine.pytorch.quantized_tensor": "TE's quantized-tensor internals (TE >= 2.10)",
     "transformer_engine.pytorch.tensor.grouped_tensor": "TE's grouped tensor",
-    "transformer_engine.pytorch.tensor.nvfp4_tensor": "NVFP4 tensors",
-    "transformer_engine.pytorch.tensor.mxfp8_tensor": "MXFP8 tensors",
     "transformer_engine.pytorch.attention.dot_product_attention.utils":
         "TE's attention-backend selection (FlashAttention / cuDNN)",
     "transformer_engine.pytorch.attention.dot_product_attention.backends":

@@ -9,7 +9,8 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import (MAX_AMAX_HISTORY_LEN, DelayedScaling,
                                               Float8BlockScaling, Float8CurrentScaling, Format,
-                                              MXFP8BlockScaling, NVFP4BlockScaling, max_margin)
+                                              MXFP8BlockScaling, NVFP4BlockScaling, QParams,
+                                              max_margin)
 from transformer_engine.pytorch import delayed_scaling
 
 
@@ -135,8 +136,22 @@ def test_mx_recipe_fields_as_te_defines_them(monkeypatch):
     assert NVFP4BlockScaling().disable_rht
     with pytest.raises(ValueError, match="fp8_format .* must be Format.E4M3"):
         NVFP4BlockScaling(fp8_format=Format.HYBRID)
-    with pytest.raises(NotImplementedError, match="4over6"):
-        NVFP4BlockScaling(nvfp4_4over6="all")
+    # TE's tests build a 4over6 recipe at import: it constructs, and its first cast refuses
+    four_over_six = NVFP4BlockScaling(nvfp4_4over6="all")
+    with pytest.raises(NotImplementedError, match="nvfp4_4over6='all' .* not implemented"):
+        with te.autocast(recipe=four_over_six):
+            te.Linear(32, 32, device="cpu")(torch.randn(16, 32))
+    row_scaled = NVFP4BlockScaling(row_scaled_activation=True)
+    with pytest.raises(NotImplementedError, match="row_scaled_activation=True .* not impl"):
+        with te.autocast(recipe=row_scaled):
+            te.Linear(32, 32, device="cpu")(torch.randn(16, 32))
+    # TE's tests set the role QParams: the recipe keeps them
+    custom = NVFP4BlockScaling()
+    custom.fp4_quant_fwd_inp = QParams(random_hadamard_transform=True)
+    assert custom.fp4_quant_fwd_inp.random_hadamard_transform
+    assert custom.fp4_quant_fwd_weight.fp4_2d_quantization      # still derived
+    with pytest.raises(TypeError, match="fp4_quant_bwd_grad must be a"):
+        custom.fp4_quant_bwd_grad = "rht"
     with pytest.raises(ValueError, match="fp8_format=Format.E2M1 is an FP4 format"):
         Float8CurrentScaling(fp8_format=Format.E2M1)
 

@@ -68,13 +68,22 @@ class QParams(ReadOnlyWhenCopied):
     amax_epsilon : float, default 0.0
         The amax a scale is computed from is at least this: a floor that keeps the
         scale of a (nearly) all-zero tensor or block from growing without bound.
+    random_hadamard_transform, stochastic_rounding, fp4_2d_quantization : bool, default False
+        NVFP4BlockScaling's options for the role (TE's fields): a 16-point random
+        Hadamard transform before the cast, stochastic rounding, 16x16 blocks. Only
+        NVFP4BlockScaling reads them.
     """
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
 
     def __post_init__(self):
         check_qparams("QParams", "", self)
+        for flag in ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization"):
+            check_bool("QParams", flag, getattr(self, flag))
 
 
 @dataclass(unsafe_hash=True)

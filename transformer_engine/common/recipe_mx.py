@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 
 from .recipe_base import (Format, Recipe, _check_backward_override, _check_format,
                      _env_backward_override)
-from .recipe_fields import check_bool
+from .recipe_fields import QParams, check_bool
 
 __all__ = ["MXFP8BlockScaling", "NVFP4BlockScaling", "FP4QParams"]
 
@@ -93,10 +93,12 @@ class NVFP4BlockScaling(Recipe):
     disable_2d_quantization : bool, default ``NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1``
         Weights in 1x16 blocks (else 16x16 tiles).
     row_scaled_activation : bool, default False
-        TE's per-row amax for activations: not implemented (True raises).
+        TE's per-row amax for activations: not implemented. True constructs (TE's tests
+        build such recipes at import) and raises NotImplementedError at the first cast.
     nvfp4_4over6, nvfp4_4over6_e4m3_use_256, nvfp4_4over6_err_mode
-        TE's 4over6 block scaling: only ``nvfp4_4over6="none"`` is implemented; the other
-        two are checked and unused then.
+        TE's 4over6 block scaling: only ``nvfp4_4over6="none"`` is implemented. Another
+        value constructs (TE's tests build such recipes at import) and raises
+        NotImplementedError at the first NVFP4 cast; the other two are checked.
     fp4_format : Format, default Format.E2M1 (the only one)
     fp8_format : Format, default Format.E4M3 (the only one: the block scales' format)
     fp8_dpa, fp8_mha : bool, default False
@@ -143,26 +145,48 @@ class NVFP4BlockScaling(Recipe):
         if self.nvfp4_4over6_err_mode not in ("MAE", "MSE"):
             raise ValueError(f"{name}: nvfp4_4over6_err_mode must be 'MAE' or 'MSE', "
                              f"got {self.nvfp4_4over6_err_mode!r}")
-        if self.nvfp4_4over6 != "none":
-            raise NotImplementedError(f"{name}: nvfp4_4over6={self.nvfp4_4over6!r} (4over6 "
-                                      "block scaling) is not implemented; use 'none'")
-        if self.row_scaled_activation:
-            raise NotImplementedError(f"{name}: row_scaled_activation=True (per-row amaxes) is "
-                                      "not implemented")
         _check_backward_override(name, self.backward_override)
 
-    @property
-    def fp4_quant_fwd_inp(self) -> FP4QParams:
-        return FP4QParams(random_hadamard_transform=not self.disable_rht)
+    # The role QParams are derived from the ``disable_*`` switches unless one was set
+    # on the recipe (TE's tests assign them): a set one is kept beside the fields.
+    def _role_params(self, role: str, derived: FP4QParams):
+        return self.__dict__.get("_fp4_quant", {}).get(role, derived)
+
+    def _set_role_params(self, role: str, value) -> None:
+        if not isinstance(value, (QParams, FP4QParams)):
+            raise TypeError(f"NVFP4BlockScaling: fp4_quant_{role} must be a "
+                            f"transformer_engine.common.recipe.QParams, got {value!r}")
+        quant = dict(self.__dict__.get("_fp4_quant", {}), **{role: value})
+        self.__setattr__("_fp4_quant", quant)           # refused on a read-only copy
+        self.__dict__.pop("_validated_copy", None)      # the next autocast copies anew
 
     @property
-    def fp4_quant_fwd_weight(self) -> FP4QParams:
-        return FP4QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+    def fp4_quant_fwd_inp(self):
+        return self._role_params("fwd_inp",
+                                 FP4QParams(random_hadamard_transform=not self.disable_rht))
+
+    @fp4_quant_fwd_inp.setter
+    def fp4_quant_fwd_inp(self, value) -> None:
+        self._set_role_params("fwd_inp", value)
 
     @property
-    def fp4_quant_bwd_grad(self) -> FP4QParams:
-        return FP4QParams(random_hadamard_transform=not self.disable_rht,
-                          stochastic_rounding=not self.disable_stochastic_rounding)
+    def fp4_quant_fwd_weight(self):
+        return self._role_params("fwd_weight", FP4QParams(
+            fp4_2d_quantization=not self.disable_2d_quantization))
+
+    @fp4_quant_fwd_weight.setter
+    def fp4_quant_fwd_weight(self, value) -> None:
+        self._set_role_params("fwd_weight", value)
+
+    @property
+    def fp4_quant_bwd_grad(self):
+        return self._role_params("bwd_grad", FP4QParams(
+            random_hadamard_transform=not self.disable_rht,
+            stochastic_rounding=not self.disable_stochastic_rounding))
+
+    @fp4_quant_bwd_grad.setter
+    def fp4_quant_bwd_grad(self, value) -> None:
+        self._set_role_params("bwd_grad", value)
 
 
 # TE defines these in transformer_engine.common.recipe, which re-exports them from here:

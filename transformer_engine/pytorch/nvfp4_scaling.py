@@ -239,6 +239,12 @@ def cast_for_role(recipe, role: str, x: torch.Tensor, rowwise: bool, columnwise:
     """`cast_nvfp4` with what an NVFP4BlockScaling ``recipe`` gives the tensors of
     ``role`` ("fwd_inp", "fwd_weight", "bwd_grad"): its ``fp4_quant_<role>`` QParams
     (16x16 tiles, stochastic rounding, the Hadamard transform of the columnwise copy)."""
+    if recipe.nvfp4_4over6 != "none":
+        raise NotImplementedError(f"NVFP4BlockScaling: nvfp4_4over6={recipe.nvfp4_4over6!r} "
+                                  "(4over6 block scaling) is not implemented; use 'none'")
+    if recipe.row_scaled_activation:
+        raise NotImplementedError("NVFP4BlockScaling: row_scaled_activation=True (per-row "
+                                  "amaxes) is not implemented")
     q = getattr(recipe, "fp4_quant_" + role)
     return cast_nvfp4(x, NVFP4_BLOCK if q.fp4_2d_quantization else 1, rowwise, columnwise,
                       q.stochastic_rounding, q.random_hadamard_transform, count_non_finite,
