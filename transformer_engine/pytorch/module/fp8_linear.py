@@ -254,12 +254,17 @@ def _requantized_input(x: torch.Tensor, plan: ForwardPlan, dtype: torch.dtype):
                                          data=False, transpose=True)[1]
 
 
+def bias_grad(dy: torch.Tensor, bias_dtype: torch.dtype) -> torch.Tensor:
+    """The bias gradient of a 2-D ``dy``: float32 accumulation (torch's for 16-bit sums
+    too), rounded once to ``bias_dtype``."""
+    return (dy.sum(0) if dy.dtype == bias_dtype
+            else dy.sum(0, dtype=torch.float32).to(bias_dtype))
+
+
 def _dbias(ctx, dy: torch.Tensor) -> Optional[torch.Tensor]:
-    """The bias gradient: float32 accumulation (torch's for 16-bit sums too), rounded once."""
     if ctx.bias_dtype is None or not ctx.needs_input_grad[2]:
         return None
-    return (dy.sum(0) if dy.dtype == ctx.bias_dtype
-            else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype))
+    return bias_grad(dy, ctx.bias_dtype)
 
 
 def _saved_any(operand, kind_name: str, ctx):

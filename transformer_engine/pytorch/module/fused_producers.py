@@ -51,6 +51,7 @@ from ..quantize import fused_or_none
 from .activations import activate
 from .backward_override import backward_override
 from .forward_plan import ForwardPlan
+from .fp8_linear import bias_grad
 from .fp8_operands import cast_operand
 
 __all__ = ["fused_producers_on", "NormCast", "ActCast", "GradHandoff", "unwritten",
@@ -309,9 +310,7 @@ class ActCast(torch.autograd.Function):
             with torch.enable_grad():
                 x = x2d.detach().requires_grad_()
                 (grad,) = torch.autograd.grad(activate(x, call.activation), x, dy2d)
-            dbias = None if bias_dtype is None else (
-                grad.sum(0) if grad.dtype == bias_dtype
-                else grad.sum(0, dtype=torch.float32).to(bias_dtype))
+            dbias = None if bias_dtype is None else bias_grad(grad, bias_dtype)
             call.handoff.grad = (*cast_operand(grad, plan, state, call.bwd_index, dtype, record,
                                                "bwd_grad", data, need_wgrad, count=record),
                                  dbias)
