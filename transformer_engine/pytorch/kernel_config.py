@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 __all__ = ["KernelConfig", "get_kernel_config", "kernel_config", "CPU_GEMMS", "BLOCK_GEMMS",
-           "SuspectCompile"]
+           "SuspectCompile", "load_kernels"]
 
 CPU_GEMMS = ("upcast", "scaled_mm")
 
@@ -131,3 +131,19 @@ def kernel_config(**changes):
         yield _config
     finally:
         _config = saved
+
+
+def load_kernels(*names: str):
+    """The Triton kernel modules ``names`` of `kernels` (e.g. ``load_kernels("casts")``),
+    imported now, as a tuple; False where Triton (or a working Triton) is missing.
+    Callers keep the answer, so each imports once, on first use: the CPU path never
+    imports the kernels package."""
+    import importlib
+
+    package = __name__.rsplit(".", 1)[0] + ".kernels"
+    try:
+        if not importlib.import_module(package + ".common").AVAILABLE:
+            return False
+        return tuple(importlib.import_module(f"{package}.{name}") for name in names)
+    except ImportError:
+        return False

@@ -54,7 +54,7 @@ import torch
 from .fp8_shapes import (FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data,
                          check_fp8_matrix, check_gemm_shape, scaled_mm_padded)
 from .function_results import add_into, cast_to, mul_into
-from .kernel_config import SuspectCompile, get_kernel_config
+from .kernel_config import SuspectCompile, get_kernel_config, load_kernels
 
 __all__ = [
     "Float8Data", "FP8_DTYPES", "fp8_max", "amax", "cast_to_fp8", "cast_transpose_to_fp8",
@@ -86,11 +86,7 @@ def fused_kernels(x: torch.Tensor, dtypes: Tuple[torch.dtype, ...] = _HP_DTYPES)
             or torch.compiler.is_compiling():
         return None         # compiled: the reference ops, for Inductor (NOTE [torch.compile])
     if _kernels_module is None:
-        try:
-            from .kernels import casts
-            _kernels_module = casts if casts.AVAILABLE else False
-        except ImportError:
-            _kernels_module = False
+        _kernels_module = (load_kernels("casts") or (False,))[0]
     return _kernels_module or None
 
 

@@ -46,7 +46,7 @@ import torch
 
 from ..non_finite import non_finite_counter
 from ..fp8_shapes import FP8_HEIGHT_MULTIPLE, FP8_WIDTH_MULTIPLE, Float8Data
-from ..kernel_config import SuspectCompile, get_kernel_config
+from ..kernel_config import SuspectCompile, get_kernel_config, load_kernels
 from ..quantize import fused_or_none
 from .activations import activate
 from .backward_override import backward_override
@@ -65,11 +65,7 @@ _kernels = None     # the kernels package's modules once loaded; False without T
 def _load():
     global _kernels
     if _kernels is None:
-        try:
-            from ..kernels import act_cast, common, dact_cast, norm_cast
-            _kernels = (norm_cast, act_cast, dact_cast) if common.AVAILABLE else False
-        except ImportError:
-            _kernels = False
+        _kernels = load_kernels("norm_cast", "act_cast", "dact_cast")
     return _kernels or None
 
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernel_config import get_kernel_config
+from ..kernel_config import get_kernel_config, load_kernels
 from ..quantize import _INTERPRETER, cast_to_fp8
 
 __all__ = ["multi_tensor_scale", "multi_tensor_scale_tensor", "multi_tensor_l2norm",
@@ -51,11 +51,7 @@ def _kernels_for(lists) -> Optional[object]:
                     or t.device != first.device:
                 return None
     if _kernels is None:
-        try:
-            from ..kernels import multi_tensor
-            _kernels = multi_tensor if multi_tensor.AVAILABLE else False
-        except ImportError:
-            _kernels = False
+        _kernels = (load_kernels("multi_tensor") or (False,))[0]
     return _kernels or None
 
 
