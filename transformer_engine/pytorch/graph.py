@@ -84,23 +84,13 @@ def _per_callable_enabled(enabled, count: int) -> Tuple[bool, ...]:
                     f"callable), got {enabled!r}")
 
 
-def _share_leases(graphed) -> None:
-    """Graphs whose static inputs share a tensor share one `InputLease`."""
-    parent = list(range(len(graphed)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    first_taker = {}
-    for i, g in enumerate(graphed):
-        for t in g.static_inputs:
-            parent[root(i)] = root(first_taker.setdefault(id(t), i))
+def _share_leases(graphed, owner) -> None:
+    """Graphs that take the same graph's sample tensors as static inputs (reused buffers)
+    share one `InputLease`. (Tensors the caller shares between samples, such as one
+    rotary embedding for all, are constants here, not leased.)"""
     groups = {}
-    for i, g in enumerate(graphed):
-        groups.setdefault(root(i), []).append(g)
+    for g, o in zip(graphed, owner):
+        groups.setdefault(o, []).append(g)
     for members in groups.values():
         if len(members) > 1:
             lease = InputLease()
@@ -257,8 +247,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         graphed.append(GraphedCallable(callables[layer], args[o], kwargs[o], settings[layer],
                                        backend.graphs(), layer, hooks,
                                        clone_param_grads_on_return, g, label))
-    if schedule.ordered:
-        _share_leases(graphed)
+    if _reuse_graph_input_output_buffers:
+        _share_leases(graphed, owner)
     warm_up_and_capture(graphed, schedule, backend, num_warmup_iters, allow_unused_input,
                         retain_graph_in_backward, _reuse_graph_input_output_buffers,
                         pre_warmup_hook, post_warmup_hook)

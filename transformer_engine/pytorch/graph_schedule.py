@@ -116,13 +116,13 @@ def build_schedule(order, num_layers_per_chunk, count: int) -> Schedule:
     else:
         ids, ordered = _chunk_ids(order), True
         chunks = max(abs(c) for c in ids)
-        layers = _layers_per_chunk(num_layers_per_chunk, chunks, count)
         forwards = [ids.count(c) for c in range(1, chunks + 1)]
         backwards = [ids.count(-c) for c in range(1, chunks + 1)]
         if len(set(forwards + backwards)) != 1:
             raise ValueError(f"{API}: _order={list(order)!r} must run every model chunk 1.."
                              f"{chunks} as many times forward as backward, the same number of "
                              f"micro-batches each; got forwards {forwards}, backwards {backwards}")
+        layers = _layers_per_chunk(num_layers_per_chunk, chunks, count)
     chunks, micro = len(layers), ids.count(1)
     first = [sum(layers[:c]) for c in range(chunks)]
     layer_of, microbatch_of = [0] * (sum(layers) * micro), [0] * (sum(layers) * micro)
