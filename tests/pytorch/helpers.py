@@ -8,6 +8,7 @@ checkpointed run against the same run without checkpointing, a graphed run again
 eager one, ...).
 """
 
+import contextlib
 import copy
 import gc
 from typing import NamedTuple, Optional
@@ -19,8 +20,9 @@ import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling
 from transformer_engine.pytorch import distributed
 from transformer_engine.pytorch import global_state as te_global_state
-from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, _AutocastState
+from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, _AutocastState, graph_warm_up
 from transformer_engine.pytorch.scaling import ScalingState
+from transformer_engine.pytorch.utils import flatten_nested
 
 # ---- parametrization ------------------------------------------------------------------------
 
@@ -277,3 +279,77 @@ def record_recompute_scales(monkeypatch) -> list:
     monkeypatch.setattr(FP8GlobalStateManager, "get_old_fp8_meta_tensors_for_recompute",
                         staticmethod(recording))
     return used
+
+
+# ---- CUDA graphs stood in for on the CPU ------------------------------------------------------
+
+class RerunGraphs:
+    """One graphed callable's CUDA graphs (`graph_capture.CudaGraphs`' interface), stood in
+    for on the CPU: a replay reruns the captured work, reading the static inputs and
+    writing the static outputs and gradients in place, as a graph replay does with the
+    memory it captured. The forward is captured and replayed as under a capture (modules
+    read the skip-update flag), the backward replays on the last forward replay's
+    outputs. Every replay is logged in ``log`` as ``(kind, graphs)``."""
+
+    def __init__(self, log: list):
+        self.log, self.forward, self.backward = log, None, None
+        self.outputs, self.grads, self.live = (), (), None
+
+    def capture_forward(self, run):
+        with graph_warm_up():
+            out = run()
+        self.forward, self.outputs = run, tuple(flatten_nested(out)[0])
+        return out
+
+    def capture_backward(self, run, outputs):
+        self.backward, self.grads = run, run(outputs)
+        return self.grads
+
+    def replay_forward(self):
+        self.log.append(("forward", self))
+        with torch.enable_grad(), graph_warm_up():
+            self.live = flatten_nested(self.forward())[0]
+        with torch.no_grad():
+            for static, fresh in zip(self.outputs, self.live):
+                static.copy_(fresh)
+
+    def replay_backward(self, replayed):
+        self.log.append(("backward", self))
+        grads, self.live = self.backward(self.live), None
+        with torch.no_grad():
+            for static, fresh in zip(self.grads, grads):
+                if static is not None:
+                    static.copy_(fresh)
+
+    def reset(self):
+        self.forward = self.backward = None
+
+
+class RerunCapture:
+    """`graph_capture.CudaCapture`'s interface with `RerunGraphs`: what
+    ``te.make_graphed_callables`` captures with when a test puts it in place of
+    ``graph._capture_backend`` (the schedule, warm-up, FP8 handling and returned
+    callables are the package's own). Released buffers keep their memory."""
+
+    def __init__(self):
+        self.log, self.made = [], []
+
+    def graphs(self) -> RerunGraphs:
+        self.made.append(RerunGraphs(self.log))
+        return self.made[-1]
+
+    def check(self, callables, args, kwargs):
+        """Nothing to check: the stand-in takes CPU tensors."""
+
+    def warm_up_scope(self):
+        return contextlib.nullcontext()
+
+    def synchronize(self):
+        """Nothing runs asynchronously."""
+
+    def end_failed_capture(self):
+        """Nothing to end."""
+
+    @staticmethod
+    def release(t):
+        return t

@@ -1,20 +1,24 @@
 """te.make_graphed_callables: graphed training steps equal eager ones bit for bit
 (losses, input and parameter gradients, every module's scale, scale_inv and amax
 history), with the FP8 updates captured inside the graphs (NOTE [Graphed FP8 state]);
-what cannot be captured fails at capture time with a clear error. Argument checks run
-on the CPU; the rest needs a CUDA GPU with FP8."""
+what cannot be captured fails at capture time with a clear error; Megatron's pipeline
+schedule (``_order``, reused buffers) equals the same calls run eagerly. Argument checks
+and the pipeline schedule run on the CPU (with CUDA graphs stood in for by reruns of the
+captured work, `RerunCapture`); the rest needs a CUDA GPU with FP8."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_engine.pytorch as te
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_engine.pytorch import graph as te_graph
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-from helpers import (RECIPE, assert_runs_equal, capture, cuda_fp8, cuda_inputs, te_modules,
-                     train_steps)
+from helpers import (RECIPE, RerunCapture, assert_runs_equal, capture, cuda_fp8,
+                     cuda_inputs, describe_difference, te_modules, train_steps)
 
 RECIPES = [pytest.param(RECIPE, id="delayed"), pytest.param(Float8CurrentScaling(), id="current")]
 STEPS = 5
@@ -23,16 +27,18 @@ STEPS = 5
 # ---- arguments (CPU) ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"enabled": 1}, TypeError, "enabled must be a bool, got 1"),
+    ({"enabled": 1}, TypeError, r"enabled must be a bool or a tuple of 1 bools \(one per "
+                                r"callable\), got 1"),
     ({"recipe": "delayed"}, TypeError, "recipe must be a transformer_engine.common.recipe"),
     ({"num_warmup_iters": -1}, ValueError, "num_warmup_iters must be an int >= 0"),
     ({"enabled": True, "num_warmup_iters": 0}, ValueError, "must be >= 1 with FP8"),
     ({"cache_quantized_params": True}, ValueError,
      "cache_quantized_params=True caches FP8 weights, so it needs enabled=True"),
-    ({"_order": [1, 1, -1, -1]}, NotImplementedError, r"_order=\[1, 1, -1, -1\] is not "
-                                                     "implemented: only the default schedule"),
-    ({"_reuse_graph_input_output_buffers": True}, NotImplementedError,
-     "_reuse_graph_input_output_buffers=True"),
+    ({"_order": [1, 1, -1, -1]}, ValueError, r"sample_args must hold one tuple \(or list\) "
+     r"of tensors per graph \(2: 1 callables x 2 micro-batches of _order\), got tuple of 1"),
+    ({"_reuse_graph_input_output_buffers": True}, ValueError,
+     "_reuse_graph_input_output_buffers=True shares buffers along a pipeline schedule, so it "
+     "needs _order"),
     ({"clone_param_grads_on_return": 1}, TypeError,
      "clone_param_grads_on_return must be a bool, got 1"),
     ({"capture_time_hooks": [{"forward_hook": {}}]}, ValueError,
@@ -41,11 +47,37 @@ STEPS = 5
      r"capture_time_hooks must hold one entry per callable \(1\)"),
     ({"pre_warmup_hook": 3}, TypeError, "pre_warmup_hook must be callable or None"),
 ], ids=["enabled-int", "recipe-str", "warmup-negative", "warmup-zero-fp8", "weight-cache",
-        "order", "reuse-buffers", "clone-int", "hook-key", "hooks-count", "pre-hook"])
+        "order-samples", "reuse-without-order", "clone-int",
+        "hook-key", "hooks-count", "pre-hook"])
 def test_bad_arguments(kwargs, error, match):
     lin = te.Linear(16, 16, device="cpu")
     with pytest.raises(error, match=match):
         te.make_graphed_callables(lin, (torch.randn(16, 16),), **kwargs)
+
+
+def test_bad_pipeline_schedules():
+    """A malformed ``_order`` / ``_num_layers_per_chunk`` is refused before any warm-up,
+    saying what is wrong (one test: the cases share the cost of a test's set-up)."""
+    lin = te.Linear(16, 16, device="cpu")
+    cases = [
+        ({"_order": [1, -1, -1]}, ValueError,
+         r"must run every model chunk 1..1 as many times forward as backward"),
+        ({"_order": [-1, 1]}, ValueError, r"runs backward 0 of chunk 1 before its forward 0"),
+        ({"_order": [1, 3, -3, -1]}, ValueError, r"forwards \[1, 0, 1\], backwards \[1, 0, 1\]"),
+        ({"_order": [1, 2, -2, -1]}, ValueError,
+         "_order has 2 model chunks, which do not split the 1 callables evenly"),
+        ({"_order": [1, -1, -0.5]}, NotImplementedError, "weight-gradient graph"),
+        ({"_order": [1, -1.0]}, ValueError, "_order entries must be non-zero ints"),
+        ({"_order": []}, ValueError, "_order must be a non-empty list"),
+        ({"_order": [1, -1], "_num_layers_per_chunk": 2}, ValueError,
+         r"_num_layers_per_chunk=2 must be positive and add up to the number of callables \(1\)"),
+        ({"_order": [1, -1], "_num_layers_per_chunk": [1, 1]}, ValueError,
+         r"_num_layers_per_chunk must be an int or 1 ints"),
+        ({"_num_layers_per_chunk": 1}, ValueError, "_num_layers_per_chunk is only used with _order"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            te.make_graphed_callables(lin, (torch.randn(16, 16),), **kwargs)
 
 
 def test_deprecated_spellings_warn_and_must_agree():
@@ -302,6 +334,169 @@ def test_eval_and_no_grad_run_eagerly():
         with te.autocast(recipe=RECIPE):
             ref = model.eager(x) if hasattr(model, "eager") else model.forward.eager(x)
     assert torch.equal(y, ref)
+
+
+# ---- Megatron's pipeline schedule: _order (CPU with graphs stood in for, and GPU) ------------
+
+CHUNKS, LAYERS, MICRO = 2, 2, 3
+ORDERS = {
+    # Megatron's convert_schedule_table_to_order(3, 2, get_schedule_table(3, 2, 3))
+    "megatron": [1, 1, 1, 2, -2, 2, -2, 2, -2, -1, -1, -1],
+    # TE's interleaved test: chunk 1's third forward takes chunk 2's freed buffers
+    "te": [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1],
+}
+PRECISIONS = {"fp32": (torch.float32, False, False), "bf16": (torch.bfloat16, False, False),
+              "fp8": (torch.bfloat16, True, False), "fp8-cached": (torch.float32, True, True)}
+
+
+def _pipeline_layers(dtype, device):
+    torch.manual_seed(5)
+    return torch.nn.ModuleList(te.Linear(32, 32, params_dtype=dtype, device=device)
+                               for _ in range(CHUNKS * LAYERS))
+
+
+def _pipeline_run(layers, order, call, dtype, device, steps=2):
+    """SGD steps of the schedule ``order``: chunk c's forward of micro-batch m runs its
+    layers in turn through ``call(layer, m, x)``, its backward is one ``backward`` of the
+    chunk's output. Per step: each chunk output (copied at once: a reused buffer may be
+    overwritten after its backward), input and parameter gradients, weights and FP8
+    states."""
+    record = []
+    for step in range(steps):
+        gen = torch.Generator(device=device).manual_seed(step)
+        def draw():
+            return torch.randn(16, 32, generator=gen, device=device).to(dtype) * (1 + step)
+        inputs = {key: draw().requires_grad_() for key in np.ndindex(CHUNKS, MICRO)}
+        grads = {key: draw() for key in np.ndindex(CHUNKS, MICRO)}
+        outputs, kept, done = {}, [], {1: [0] * CHUNKS, -1: [0] * CHUNKS}
+        for entry in order:
+            chunk, way = abs(entry) - 1, 1 if entry > 0 else -1
+            m = done[way][chunk]
+            done[way][chunk] += 1
+            if way > 0:
+                h = inputs[chunk, m]
+                for lay in range(LAYERS):
+                    h = call(chunk * LAYERS + lay, m, h)
+                outputs[chunk, m] = h
+                kept.append(h.detach().clone())
+            else:
+                outputs.pop((chunk, m)).backward(grads[chunk, m])
+        states = [(k, f, getattr(m.fp8_meta[k], f).clone()) for m in layers
+                  for k in ("scaling_fwd", "scaling_bwd") if m.fp8_meta.get(k) is not None
+                  for f in ("scale", "scale_inv", "amax_history")]
+        record.append(kept + [inputs[key].grad for key in sorted(inputs)]
+                      + [p.grad.clone() for p in layers.parameters()] + [s[2] for s in states])
+        with torch.no_grad():           # an SGD step (torch.optim would import dynamo: slow)
+            for p in layers.parameters():
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+        record[-1] += [p.detach().clone() for p in layers.parameters()]
+    return record
+
+
+def _assert_pipeline_runs_equal(ref, got, what):
+    for step, (a, b) in enumerate(zip(ref, got, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"{what} step {step}, tensor {i}: {describe_difference(x, y)}"
+
+
+def _graph_pipeline(layers, order, dtype, device, fp8, cached, reuse, monkeypatch):
+    """The layers graphed along ``order``, one callable per (layer, micro-batch); on the
+    CPU with `RerunCapture` standing in for CUDA graphs (returned too)."""
+    backend = None
+    if device == "cpu":
+        backend = RerunCapture()
+        monkeypatch.setattr(te_graph, "_capture_backend", lambda pool: backend)
+    samples = tuple((torch.ones(16, 32, device=device, dtype=dtype, requires_grad=True),)
+                    for _ in range(CHUNKS * LAYERS * MICRO))
+    graphs = te.make_graphed_callables(tuple(layers), samples, num_warmup_iters=1,
+                                       allow_unused_input=True, _order=order, enabled=fp8,
+                                       recipe=RECIPE if fp8 else None,
+                                       cache_quantized_params=cached,
+                                       _reuse_graph_input_output_buffers=reuse)
+    return graphs, backend
+
+
+def _pipeline_cases():
+    """On the CPU both orders in FP8, the Megatron order in the other precisions (keeps
+    the file fast); on a GPU every combination."""
+    return [pytest.param(order, precision, device, id=f"{order}-{precision}-{device}",
+                         marks=cuda_fp8 if device == "cuda" else ())
+            for device in ("cpu", "cuda") for order in ORDERS for precision in PRECISIONS
+            if device == "cuda" or (order == "te") == (precision == "fp8")]
+
+
+@pytest.mark.parametrize("order, precision, device", _pipeline_cases())
+def test_pipeline_schedule_equals_eager(order, precision, device, monkeypatch):
+    """2 model chunks of 2 te.Linear layers, 3 micro-batches, an interleaved _order: each
+    (layer, micro-batch) gets its own graphs, captured and replayed along the schedule,
+    and two SGD steps give every chunk output, input and parameter gradient, weight and
+    FP8 scale / amax history bit for bit as the same calls run eagerly in the same
+    order (each forward its own outermost autocast, as a graphed forward is), with
+    reused buffers and without. With cached FP8 weights each call passes
+    ``is_first_microbatch`` (the first micro-batch casts, the others take that cast)."""
+    dtype, fp8, cached = PRECISIONS[precision]
+    initial = _pipeline_layers(dtype, device)
+
+    def eager_call(layers, every_time=False):
+        def call(layer, m, x):
+            kwargs = {"is_first_microbatch": m == 0 or every_time} if cached else {}
+            with te.autocast(enabled=fp8, recipe=RECIPE):
+                return layers[layer](x, **kwargs)
+        return call
+
+    eager_layers = copy.deepcopy(initial)
+    ref = _pipeline_run(eager_layers, ORDERS[order], eager_call(eager_layers), dtype, device)
+    for reuse in (False, True):
+        graphed_layers = copy.deepcopy(initial)
+        graphs, backend = _graph_pipeline(graphed_layers, ORDERS[order], dtype, device, fp8,
+                                          cached, reuse, monkeypatch)
+        assert len(graphs) == CHUNKS * LAYERS * MICRO
+        called = []
+
+        def graphed(layer, m, x):       # called as Megatron calls them (keywords and all)
+            g = graphs[(layer // LAYERS) * LAYERS * MICRO + m * LAYERS + layer % LAYERS]
+            called.append(g)
+            return g(x, is_first_microbatch=m == 0, packed_seq_params=None)
+
+        try:
+            got = _pipeline_run(graphed_layers, ORDERS[order], graphed, dtype, device)
+            _assert_pipeline_runs_equal(ref, got, f"reuse={reuse}")
+            if backend is not None:     # each call replayed the graphs of its own callable
+                replayed = [graphs_ for kind, graphs_ in backend.log if kind == "forward"]
+                assert replayed == [g.graphs for g in called]
+                assert sum(kind == "backward" for kind, _ in backend.log) == len(called)
+        finally:
+            FP8GlobalStateManager.reset()       # the skip-update tensor stays set otherwise
+            for g in graphs:
+                g.reset()
+        assert all(layer.forward.__func__ is type(layer).forward for layer in graphed_layers)
+    if cached:                          # the flag reached the replays: casting every time differs
+        fresh = copy.deepcopy(initial)
+        uncached = _pipeline_run(fresh, ORDERS[order], eager_call(fresh, every_time=True),
+                                 dtype, device)
+        assert not all(torch.equal(a, b) for a, b in zip(uncached[0], ref[0]))
+
+
+def test_reused_buffers_follow_the_schedule(monkeypatch):
+    """Reused buffers along Megatron's order: chunk 2's later micro-batches take the
+    static inputs of its first one (freed by its backward), chunk 1's keep their own;
+    all backwards share one gradient-output buffer. A call out of the schedule that
+    would overwrite inputs a pending backward still reads is refused."""
+    layers = _pipeline_layers(torch.float32, "cpu")
+    graphs, _ = _graph_pipeline(layers, ORDERS["megatron"], torch.float32, "cpu", False, False,
+                                True, monkeypatch)
+    inputs = [g.static_inputs[0] for g in graphs]
+    assert [[j for j in range(12) if inputs[j] is inputs[i]] for i in (6, 7)] == \
+        [[6, 8, 10], [7, 9, 11]]
+    assert len({id(t) for t in inputs[:6]}) == 6
+    assert len({id(g.static_grad_outputs) for g in graphs}) == 1
+    x = torch.randn(16, 32, requires_grad=True)
+    graphs[6](x)
+    with pytest.raises(RuntimeError, match=r"graph 8 \(callable 2, micro-batch 1\) shares its "
+                                           r"static input buffers with graph 6 \(callable 2, "
+                                           r"micro-batch 0\), whose backward has not run"):
+        graphs[8](x)
 
 
 # ---- what cannot be captured (GPU) ---------------------------------------------------------

@@ -5,7 +5,6 @@ gradients' ownership (``clone_param_grads_on_return``, ``skip_backward_post_hook
 ``capture_time_hooks`` and the warm-up hooks, the default ``_order``, and TE's
 ``reset()``. The host-read check runs on the CPU; the rest needs a CUDA GPU."""
 
-import contextlib
 import copy
 
 import pytest
@@ -13,11 +12,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_engine.pytorch as te
-from transformer_engine.pytorch import graph as te_graph
 from transformer_engine.pytorch.attention.masks import build_core_mask
 from transformer_engine.pytorch.graph_args import normalize
-from transformer_engine.pytorch.utils import flatten_nested
-from helpers import cuda_fp8
+from transformer_engine.pytorch.graph_callable import FP8Setting, GraphedCallable
+from helpers import RerunCapture, cuda_fp8
 
 _aten = torch.ops.aten
 # the ops that read a tensor's values back to the host (.item(), bool(t), nonzero)
@@ -85,70 +83,15 @@ def test_every_built_mask_reads_nothing_back(mask_type, window):
 
 # ---- the replay's input binding (CPU) -----------------------------------------------------
 
-class _RerunGraph:
-    """Stands in for a captured CUDA graph on the CPU: a replay reruns the captured work,
-    reading the static input tensors and writing the static output tensors in place,
-    which is what replaying a graph does with the memory it captured."""
-
-    def __init__(self):
-        self.rerun = None
-
-    def replay(self):
-        self.rerun()
-
-    def reset(self):
-        self.rerun = None
-
-
-class _RerunRng:
-    """`graph_rng.GraphRng`'s interface for the stand-in graphs (nothing random)."""
-
-    def __init__(self):
-        self.segments = [_RerunGraph()]
-
-    @contextlib.contextmanager
-    def capture_forward(self):
-        yield
-
-    @contextlib.contextmanager
-    def capture_backward(self, graph_):
-        yield
-
-    def replay_forward(self):
-        self.segments[0].replay()
-        return []
-
-    def prepare_backward(self, states):
-        """Nothing to prepare: the stand-in replays its capture, it keeps no graph."""
-
-
-def _graphed_on_cpu(monkeypatch, modules, sample_args, sample_kwargs=None):
+def _graphed_on_cpu(modules, sample_args, sample_kwargs=None):
     """The first callable of ``make_graphed_callables(modules, sample_args, ...)`` as
-    its `_GraphedCallable` (argument handling, captures, replay Function), with the
-    CUDA graphs replaced by `_RerunGraph`."""
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RerunGraph)
+    its `GraphedCallable` (argument handling, captures, replay Function), with the
+    CUDA graphs stood in for by `RerunGraphs`."""
     _, callables, args, kwargs = normalize(modules, sample_args, sample_kwargs)
-    rng = _RerunRng()
-    g = te_graph._GraphedCallable(callables[0], args[0], kwargs[0],
-                                  te_graph._FP8Setting(False, False, None, None), rng)
+    g = GraphedCallable(callables[0], args[0], kwargs[0], FP8Setting(False, False, None, None),
+                        RerunCapture().graphs())
     g.capture_forward()
     g.capture_backward(False, False)
-
-    def forward():
-        with torch.no_grad():
-            leaves, _ = flatten_nested(g.run_forward())
-        for static, fresh in zip(g.static_outputs, leaves):
-            static.copy_(fresh)
-
-    def backward():
-        with torch.enable_grad():
-            leaves, _ = flatten_nested(g.run_forward())
-            grads = te_graph.graph_backward(leaves, g.grad_inputs, g.static_grad_outputs,
-                                            False, False)
-        for static, fresh in zip(g.static_grad_inputs, grads):
-            if static is not None:
-                static.copy_(fresh)
-    rng.segments[0].rerun, g.bwd_graph.rerun = forward, backward
     return g
 
 
@@ -158,7 +101,7 @@ def _qkv(seed):
 
 
 @pytest.mark.parametrize("form", ["list", "tuple", "tuple-of-lists", "kwargs"])
-def test_replay_binds_each_new_input_to_its_static_buffer(form, monkeypatch):
+def test_replay_binds_each_new_input_to_its_static_buffer(form):
     """A graphed DotProductAttention, its CUDA graphs replaced by reruns of the capture
     from the static buffers: with ``sample_args`` a list of q, k, v (TE's test), a
     tuple, one list per callable in a tuple, and an attention mask in
@@ -174,7 +117,7 @@ def test_replay_binds_each_new_input_to_its_static_buffer(form, monkeypatch):
         "tuple-of-lists": ((model,), (samples,), None),
         "kwargs": (model, samples, {"attention_mask": torch.zeros(2, 1, 16, 16, dtype=torch.bool)}),
     }[form]
-    graphed = _graphed_on_cpu(monkeypatch, modules, sample_args, sample_kwargs)
+    graphed = _graphed_on_cpu(modules, sample_args, sample_kwargs)
     assert all(a is b for a, b in zip(graphed.static_inputs, samples))
     results, returned = [], []
     for run in (model, graphed):

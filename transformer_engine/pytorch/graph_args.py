@@ -11,7 +11,7 @@ import torch
 from .utils import check_process_group
 
 __all__ = ["UNSET", "API", "resolve", "check_group", "normalize", "check_devices",
-           "check_capture_time_hooks", "run_hooks", "default_order", "HOOK_NAMES"]
+           "check_capture_time_hooks", "run_hooks", "HOOK_NAMES"]
 
 UNSET = object()
 API = "te.make_graphed_callables"
@@ -44,28 +44,38 @@ def check_group(group) -> None:
                            "(or reduce_amax=False in the recipe)")
 
 
-def normalize(modules, sample_args, sample_kwargs):
-    """``(single, callables, args, kwargs)``: the callables as a tuple, each one's
+def normalize(modules, sample_args, sample_kwargs, schedule=None):
+    """``(single, callables, args, kwargs)``: the callables as a tuple, each graph's
     sample arguments as a tuple of tensors (TE takes them as a tuple or a list) and
-    its keyword arguments as a dict."""
+    its keyword arguments as a dict. One graph per callable, or with ``_order`` one per
+    layer and micro-batch (``schedule``, NOTE [Pipeline schedule] in graph_schedule.py)."""
     single = not isinstance(modules, tuple)
     callables = (modules,) if single else modules
     args = (sample_args,) if single else sample_args
-    if not isinstance(args, (tuple, list)) or len(args) != len(callables):
+    if schedule is not None and schedule.ordered:
+        count = schedule.num_graphs
+        micro = max(schedule.microbatch_of) + 1
+        per = (f"graph ({count}: {len(callables)} callables x {micro} micro-batches of "
+               "_order)")
+    else:
+        count, per = len(callables), f"callable ({len(callables)})"
+    if not isinstance(args, (tuple, list)) or len(args) != count:
         raise ValueError(f"{API}: sample_args must hold one tuple (or list) of tensors per "
-                         f"callable ({len(callables)}), got {type(sample_args).__name__}"
+                         f"{per}, got {type(sample_args).__name__}"
                          + ("" if not isinstance(args, (tuple, list)) else f" of {len(args)}"))
     if sample_kwargs is None:
-        kwargs = tuple({} for _ in callables)
+        kwargs = tuple({} for _ in range(count))
     else:
         kwargs = (sample_kwargs,) if single else sample_kwargs
-        if not (isinstance(kwargs, (tuple, list)) and len(kwargs) == len(callables)
+        if not (isinstance(kwargs, (tuple, list)) and len(kwargs) == count
                 and all(isinstance(k, dict) for k in kwargs)):
-            raise ValueError(f"{API}: sample_kwargs must hold one dict per callable, "
+            raise ValueError(f"{API}: sample_kwargs must hold one dict per {per}, "
                              f"got {type(sample_kwargs).__name__}")
-    for i, (fn, a, k) in enumerate(zip(callables, args, kwargs)):
+    layer_of = schedule.layer_of if schedule is not None else range(count)
+    for i, (layer, a, k) in enumerate(zip(layer_of, args, kwargs)):
+        fn = callables[layer]
         if not callable(fn):
-            raise TypeError(f"{API}: callable {i} is not callable: {type(fn).__name__}")
+            raise TypeError(f"{API}: callable {layer} is not callable: {type(fn).__name__}")
         if not isinstance(a, (tuple, list)) or not all(torch.is_tensor(t) for t in a):
             raise TypeError(f"{API}: sample_args[{i}] must be a tuple or list of tensors, got "
                             f"{[type(t).__name__ for t in a] if isinstance(a, (tuple, list)) else a!r}")
@@ -113,31 +123,6 @@ def run_hooks(hooks, index: int, name: str, fn) -> None:
         if hook(fn) is not None:
             raise RuntimeError(f"{API}: capture_time_hooks {name} must not return a value "
                                f"(callable {index})")
-
-
-def default_order(order, num_layers_per_chunk, count: int) -> None:
-    """TE's ``_order`` (Megatron's pipeline schedule) is taken where it spells the
-    default schedule: C model chunks of ``count / C`` callables each, one micro-batch,
-    ``[1, ..., C, -C, ..., -1]`` (every forward in order, then the backwards in
-    reverse). Any other schedule is not implemented."""
-    if order is None:
-        if num_layers_per_chunk is not None:
-            raise ValueError(f"{API}: _num_layers_per_chunk is only used with _order")
-        return
-    chunks = max(order) if order and all(isinstance(c, int) for c in order) else 0
-    if (chunks <= 0 or list(order) != list(range(1, chunks + 1)) + list(range(-chunks, 0))
-            or count % chunks):
-        raise NotImplementedError(f"{API}: _order={order!r} is not implemented: only the "
-                                  "default schedule [1, ..., C, -C, ..., -1] (one micro-batch, "
-                                  "the callables split evenly into C chunks) is")
-    per_chunk = count // chunks
-    if num_layers_per_chunk is not None:
-        layers = ([num_layers_per_chunk] * chunks if isinstance(num_layers_per_chunk, int)
-                  else list(num_layers_per_chunk))
-        if layers != [per_chunk] * chunks:
-            raise NotImplementedError(f"{API}: _num_layers_per_chunk={num_layers_per_chunk!r} "
-                                      f"is not implemented: only {per_chunk} per chunk for "
-                                      f"{count} callables in {chunks} chunks")
 
 
 def check_devices(callables, args, kwargs) -> None:
