@@ -59,8 +59,6 @@ STANDIN_MODULES = {
     "transformer_engine.pytorch.custom_recipes": "TE's custom-recipe reference quantizers",
     "transformer_engine.pytorch.dynamo": "TE's torch.compile tensor specs",
     "transformer_engine.pytorch.jit": "TE's TorchScript/nvFuser fused elementwise functions",
-    "transformer_engine.pytorch.ops.basic.grouped_linear":
-        "te.ops.GroupedLinear and its user-buffer keys (not built by this package)",
 }
 
 
@@ -112,10 +110,7 @@ STANDIN_ATTRS = {
         "BackwardLinearScale", "ForwardLinearBiasActivation", "ForwardLinearBiasAdd",
         "ForwardLinearScaleAdd", "UserbuffersForwardLinear",
     ],
-    "transformer_engine.pytorch.ops": [
-        "GroupedLinear", "Dropout", "SiTUGLU", "ScaledSwiGLU", "ScaledSiTUGLU", "ScaledSReLU",
-        "ScaledClampedQGeGLU",
-    ],
+    "transformer_engine.pytorch.ops": ["Dropout"],
     "transformer_engine.pytorch.tensor": [
         "Float8Quantizer", "Float8CurrentScalingQuantizer", "QuantizedTensorStorage",
     ],

@@ -316,3 +316,228 @@ def test_bad_arguments_raise_clear_errors():
         ops.AllReduce(None)
     with pytest.raises(ValueError, match="basic_ops"):
         ops.FusedOperation([])
+    op = ops.GroupedLinear(2, 16, 16, device="cpu")
+    x = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="split_sizes must add up to the input's rows"):
+        op(x, torch.tensor([4, 5]))
+    with pytest.raises(ValueError, match="num_groups=2 integer counts"):
+        op(x, torch.tensor([8.0, 0.0]))
+    with pytest.raises(ValueError, match="extra inputs"):
+        op(x)
+    with pytest.raises(ValueError, match="one scale per row"):
+        ops.GroupedLinear(2, 16, 16, scale_bias=True, device="cpu")(x, torch.tensor([4, 4]),
+                                                                    torch.ones(3))
+    with pytest.raises(ValueError, match="num_groups"):
+        ops.GroupedLinear(0, 16, 16, device="cpu")
+    with pytest.raises(ValueError, match="one value per row"):
+        ops.ScaledSwiGLU()(torch.randn(4, 8), torch.ones(3))
+    with pytest.raises(ValueError, match="divisible by 2 \\* glu_interleave_size = 16"):
+        ops.SwiGLU(glu_interleave_size=8)(torch.randn(4, 24))
+    with pytest.raises(ValueError, match="does not support activation recomputation"):
+        ops.ScaledSwiGLU(activation_recompute_in_mlp=True)
+    with pytest.raises(ValueError, match="beta1"):
+        ops.SiTUGLU(beta1=0.0)
+
+
+# ---- GroupedLinear and the scaled activations ----------------------------------------
+
+GROUPS, SPLITS = 3, [16, 0, 32]
+
+
+def _grouped_pair(device, bias):
+    """A te.GroupedLinear and an ops.GroupedLinear with the same weights and biases."""
+    torch.manual_seed(8)
+    ref = te.GroupedLinear(GROUPS, HIDDEN, FFN, bias=bias, device=device)
+    op = ops.GroupedLinear(GROUPS, HIDDEN, FFN, bias=bias, device=device)
+    with torch.no_grad():
+        for i in range(GROUPS):
+            getattr(op, f"weight{i}").copy_(getattr(ref, f"weight{i}"))
+            if bias:
+                getattr(ref, f"bias{i}").uniform_(-1, 1)
+                getattr(op, f"bias{i}").copy_(getattr(ref, f"bias{i}"))
+    return ref, op
+
+
+def _group_params(module, bias):
+    names = [f"weight{i}" for i in range(GROUPS)] + ([f"bias{i}" for i in range(GROUPS)]
+                                                      if bias else [])
+    return [getattr(module, n) for n in names]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_linear_equals_te_grouped_linear(device):
+    """ops.GroupedLinear, split sizes as an extra tensor input (an empty group among
+    them), is te.GroupedLinear bit for bit over two training steps, in high precision
+    and in FP8 for each recipe, with or without bias: outputs, input and parameter
+    gradients, and the delayed-scaling state."""
+    delayed, current, block = (p.values[0] for p in RECIPES)
+    for recipe, bias in ((None, True), (None, False), (delayed, True), (delayed, False),
+                         (current, True), (block, False)):
+        ref, op = _grouped_pair(device, bias)
+        _train_grouped_pair(ref, op, recipe, bias, device)
+
+
+def _train_grouped_pair(ref, op, recipe, bias, device):
+    splits = torch.tensor(SPLITS, device=device)
+    what = (type(recipe).__name__, bias)
+    for step in range(2):
+        x = torch.randn(2, sum(SPLITS) // 2, HIDDEN, device=device, requires_grad=True)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y_ref = ref(x, SPLITS)
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = op(x, splits)
+        assert torch.equal(y_ref, y), (what, step)
+        dy = torch.randn_like(y)
+        for g, h in zip(torch.autograd.grad(y_ref, [x] + _group_params(ref, bias), dy),
+                        torch.autograd.grad(y, [x] + _group_params(op, bias), dy)):
+            assert torch.equal(g, h), (what, step)
+        if recipe is not None and recipe.delayed():
+            for key in ("scaling_fwd", "scaling_bwd"):
+                assert torch.equal(ref.fp8_meta[key].scale, op.fp8_meta[key].scale), what
+                assert torch.equal(ref.fp8_meta[key].amax_history,
+                                   op.fp8_meta[key].amax_history), what
+    if recipe is not None and recipe.delayed():     # the groups ran FP8 and updated
+        assert not torch.equal(op.fp8_meta["scaling_fwd"].scale,
+                               torch.ones(2 * GROUPS, device=device))
+
+
+def test_grouped_linear_state_dict_and_shared_weights():
+    """TE's state_dict keys and order; a trained te.GroupedLinear's state_dict (FP8
+    extra state included) loads into the operation, which then computes what the
+    module computes; an operation built on ``meta`` runs on weights attached after
+    construction (as Megatron-LM's fused expert MLP shares its module's weights), their
+    gradients landing on the attached tensors."""
+    ref, _ = _grouped_pair("cpu", True)
+    recipe = DelayedScaling(amax_history_len=4)
+    with te.autocast(recipe=recipe):
+        ref(torch.randn(sum(SPLITS), HIDDEN), SPLITS).sum().backward()
+    op = ops.GroupedLinear(GROUPS, HIDDEN, FFN, device="cpu")
+    assert list(op.state_dict()) == ([f"weight{i}" for i in range(GROUPS)]
+                                     + [f"bias{i}" for i in range(GROUPS)] + ["_extra_state"])
+    result = op.load_state_dict(ref.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    for key in ("scaling_fwd", "scaling_bwd"):
+        assert torch.equal(op.fp8_meta[key].amax_history, ref.fp8_meta[key].amax_history)
+    x = torch.randn(sum(SPLITS), HIDDEN)
+    with te.autocast(recipe=recipe):
+        assert torch.equal(op(x, torch.tensor(SPLITS)), ref(x, SPLITS))
+    shell = ops.GroupedLinear(GROUPS, HIDDEN, FFN, bias=False, device="meta")
+    for i in range(GROUPS):
+        setattr(shell, f"weight{i}", getattr(ref, f"weight{i}"))
+        getattr(ref, f"weight{i}").grad = None
+    shell(x, torch.tensor(SPLITS)).sum().backward()
+    x64 = x.double()
+    rows = torch.split(x64, SPLITS)
+    want = torch.cat([r @ getattr(ref, f"weight{i}").double().T for i, r in enumerate(rows)])
+    torch.testing.assert_close(shell(x, torch.tensor(SPLITS)).double(), want)
+    assert ref.weight2.grad is not None and torch.equal(ref.weight1.grad, torch.zeros_like(ref.weight1))
+    torch.testing.assert_close(ref.weight2.grad.double(), rows[2].sum(0).expand(FFN, -1),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _deinterleave64(x, size):
+    if size is None:
+        return x
+    n = x.shape[-1]
+    return x.reshape(-1, n // (2 * size), 2, size).transpose(1, 2).reshape(x.shape)
+
+
+def _glu64(kind, x):
+    a, b = x.chunk(2, dim=-1)
+    if kind == "swiglu":
+        return torch.nn.functional.silu(a) * b
+    if kind == "situglu":
+        return 2.0 * torch.tanh(a / 2.0) * torch.sigmoid(a) * 10.0 * torch.tanh(b / 10.0)
+    a, b = a.clamp(max=0.75), b.clamp(-0.75, 0.75)      # clamped, offset 0
+    return a * torch.sigmoid(1.702 * a) * b
+
+
+GLU_CASES = [("swiglu", None, True), ("swiglu", 8, True), ("situglu", 8, True),
+             ("clamped", 8, True), ("srelu", None, True), ("swiglu", 8, False),
+             ("situglu", 8, False), ("clamped", 8, False)]
+
+
+def _glu_op(kind, interleave, scaled):
+    kwargs = {"situglu": dict(beta1=2.0, beta2=10.0),
+              "clamped": dict(limit=0.75, glu_linear_offset=0.0)}.get(kind, {})
+    if not scaled:
+        cls = {"swiglu": ops.SwiGLU, "situglu": ops.SiTUGLU, "clamped": ops.ClampedSwiGLU}[kind]
+        return cls(glu_interleave_size=interleave, **kwargs)
+    if kind == "srelu":
+        return ops.ScaledSReLU()
+    cls = {"swiglu": ops.ScaledSwiGLU, "situglu": ops.ScaledSiTUGLU,
+           "clamped": ops.ScaledClampedQGeGLU}[kind]
+    return cls(interleave, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_glu_variants_against_float64(device):
+    """SwiGLU / SiTUGLU / ClampedSwiGLU (TE's block-interleaved layout, a linear offset
+    of 0) and their Scaled forms (and ScaledSReLU), whose per-row scales are an extra
+    input: outputs and the gradients of input and scales against float64."""
+    torch.manual_seed(9)
+    for kind, interleave, scaled in GLU_CASES:
+        op = _glu_op(kind, interleave, scaled)
+        x = torch.randn(3, 5, 32, device=device, requires_grad=True)
+        s = torch.rand(3, 5, device=device, requires_grad=True)
+        y = op(x, s) if scaled else op(x)
+        x64, s64 = (t.detach().double().requires_grad_() for t in (x, s))
+        act = torch.relu(x64) ** 2 if kind == "srelu" else \
+            _glu64(kind, _deinterleave64(x64, interleave))
+        ref = act * s64.unsqueeze(-1) if scaled else act
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, [x, s] if scaled else [x], dy)
+        want = torch.autograd.grad(ref, [x64, s64] if scaled else [x64], dy.double())
+        for g, h in zip(got, want):
+            torch.testing.assert_close(g.double(), h, rtol=1e-5, atol=1e-6)
+
+
+def test_scaled_swiglu_is_swiglu_times_scales():
+    """ScaledSwiGLU computes Megatron-LM's unfused expert activation, ``SwiGLU(x) *
+    probs[:, None]`` cast back to x's dtype, bit for bit (gradients too); one scale for
+    every row (Megatron's shared expert) is SwiGLU itself."""
+    torch.manual_seed(10)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(24, 64, dtype=dtype, requires_grad=True)
+        probs = torch.rand(24, requires_grad=True)
+        y = ops.ScaledSwiGLU()(x, probs)
+        ref = (ops.SwiGLU()(x) * probs.unsqueeze(-1)).to(dtype)
+        assert torch.equal(y, ref), dtype
+        dy = torch.randn_like(y)
+        for g, h in zip(torch.autograd.grad(y, (x, probs), dy),
+                        torch.autograd.grad(ref, (x, probs), dy)):
+            assert torch.equal(g, h), dtype
+        assert torch.equal(ops.ScaledSwiGLU()(x, torch.ones(1)), ops.SwiGLU()(x)), dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_mlp_against_float64(device):
+    """GroupedLinear -> ScaledSwiGLU -> GroupedLinear(scale_bias=True) in one
+    Sequential, fed split sizes and router probabilities as extra inputs (TE's grouped
+    expert MLP): outputs and the gradients of input, probabilities and every parameter
+    against float64."""
+    torch.manual_seed(11)
+    fc1 = ops.GroupedLinear(GROUPS, HIDDEN, 2 * FFN, device=device)
+    fc2 = ops.GroupedLinear(GROUPS, FFN, HIDDEN, device=device, scale_bias=True)
+    with torch.no_grad():
+        for p in list(fc1.parameters()) + list(fc2.parameters()):
+            p.uniform_(-0.5, 0.5)
+    mlp = ops.Sequential(fc1, ops.ScaledSwiGLU(), fc2)
+    splits = torch.tensor(SPLITS, device=device)
+    x = torch.randn(sum(SPLITS), HIDDEN, device=device, requires_grad=True)
+    probs = torch.rand(sum(SPLITS), device=device, requires_grad=True)
+    y = mlp(x, splits, probs, splits, probs)
+    params = [x, probs] + list(fc1.parameters()) + list(fc2.parameters())
+    p64 = [t.detach().double().requires_grad_() for t in params]
+    x64, probs64, w1, b1, w2, b2 = p64[0], p64[1], p64[2:5], p64[5:8], p64[8:11], p64[11:14]
+    outs = []
+    for i, (rows, pr) in enumerate(zip(torch.split(x64, SPLITS), torch.split(probs64, SPLITS))):
+        h = _glu64("swiglu", rows @ w1[i].T + b1[i]) * pr.unsqueeze(-1)
+        outs.append(h @ w2[i].T + b2[i] * pr.unsqueeze(-1))
+    ref = torch.cat(outs)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    for g, h in zip(torch.autograd.grad(y, params, dy), torch.autograd.grad(ref, p64, dy.double())):
+        torch.testing.assert_close(g.double(), h, rtol=1e-4, atol=1e-4)
+

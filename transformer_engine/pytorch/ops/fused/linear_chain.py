@@ -83,7 +83,8 @@ class LinearChain(FusedOperation):
         """linear1 -> act -> linear2, as te.LayerNormMLP's ``_mlp``."""
         _, linear1, bias1, act, linear2, bias2 = self._members
         w1, w2 = linear1.weight, linear2.weight
-        act_fused = (fusable(act.activation) and fused_producers_on(plan2, h)
+        act_fused = (fusable(act.activation) and act.glu_interleave_size is None
+                     and fused_producers_on(plan2, h)
                      and gemm_shapes_ok(h.numel() // max(w1.shape[1], 1), w1.shape[1],
                                         w1.shape[0], w2.shape[1]))
         handoff = GradHandoff() if act_fused else None
