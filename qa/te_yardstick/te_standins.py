@@ -84,15 +84,16 @@ STANDIN_VALUES = {
 # TE's optimizers module re-exports these functions of its extension
 # (``te.optimizers.multi_tensor_scale is tex.multi_tensor_scale``), and TE's
 # test_multi_tensor.py passes the ``tex`` ones to ``MultiTensorApply``: the extension's
-# name gives the package's own function, as it gives TE's. The extension's other
-# multi-tensor kernels stay stand-ins.
+# name gives the package's own function, as it gives TE's (also for
+# multi_tensor_compute_scale_and_scale_inv, which TE has in its extension only). The
+# extension's other multi-tensor kernels stay stand-ins.
 STANDIN_ALIASES = {
     ("transformer_engine_torch", name): ("transformer_engine.pytorch.optimizers", name)
     for name in ("multi_tensor_scale", "multi_tensor_scale_tensor", "multi_tensor_l2norm",
                  "multi_tensor_unscale_l2norm", "multi_tensor_adam",
                  "multi_tensor_adam_param_remainder", "multi_tensor_adam_fp8",
                  "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master",
-                 "multi_tensor_sgd")
+                 "multi_tensor_sgd", "multi_tensor_compute_scale_and_scale_inv")
 }
 
 # Names missing from modules this package has (NVIDIA-native or internal).

@@ -515,3 +515,101 @@ def test_new_history_length_warns_that_the_weight_quantizer_changes(kind):
                                          "behavior"):
         run(module, DelayedScaling(amax_history_len=1))
     assert module.fp8_meta["scaling_fwd"].amax_history.shape[0] == 1
+
+
+# ---- sharded master weights (tensor.utils: Megatron's --fp8-param-gather) ------------------
+# Across real ranks, through Megatron's distributed optimizer: test_megatron_optimizers.py.
+
+def _trained_bf16_linear(recipe):
+    """A te.Linear with a bfloat16 FP8 weight after one training step's forward and
+    backward (delayed scales set from the first amaxes; the transpose cached)."""
+    torch.manual_seed(7)
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        lin = te.Linear(32, 48, params_dtype=torch.bfloat16, device="cpu")
+    with te.autocast(recipe=recipe):
+        x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        lin(x).float().pow(2).mean().backward()
+    assert lin.weight._transpose is not None
+    return lin
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_master_shards_quantize_as_a_whole_write(recipe):
+    """A float32 master weight written through the sharded path (the weight's bits moved
+    into a uint8 buffer, the master quantized in two shards for delayed scaling, one
+    for current scaling, the transpose made after the "all-gather") gives the bits,
+    ``scale_inv`` and FP8 state of writing the master, rounded to bfloat16, into the
+    weight at once, and the plain cast of that value; both modules then train alike."""
+    from transformer_engine.pytorch.tensor import utils as tu
+
+    ref, lin = _trained_bf16_linear(recipe), _trained_bf16_linear(recipe)
+    w = lin.weight
+    master = w.get_high_precision_init_val().float() + 0.01 * torch.randn(48, 32)
+    buffer = torch.zeros(8 + w.numel(), dtype=torch.uint8)
+    tu.replace_raw_data(w, buffer[8:].view(w.shape))
+    with torch.no_grad():
+        ref.weight.copy_(master.bfloat16())
+    flat = master.reshape(-1)
+    cut = 700 if recipe.delayed() else 0
+    shards = [(flat[:cut], 0), (flat[cut:], cut)] if cut else [(flat, 0)]
+    for shard, start in shards:
+        tu.cast_master_weights_to_fp8([w], [shard], [start], None,
+                                      manual_post_all_gather_processing=True)
+    assert w._transpose_invalid and w.get_high_precision_init_val() is None
+    tu.post_all_gather_processing([w])
+    assert not w._transpose_invalid
+    assert torch.equal(_bits(w._transpose), _bits(w._data).t())
+    scale = (lin.fp8_meta["scaling_fwd"].scale[1] if recipe.delayed()
+             else torch.tensor(E4M3_MAX) / master.bfloat16().abs().max().float())
+    assert torch.equal(_bits(w._data), _bits(_reference_cast(master.bfloat16(), scale)))
+    assert torch.equal(buffer[8:], _bits(w._data).reshape(-1))
+    assert torch.equal(_bits(w._data), _bits(ref.weight._data))
+    assert torch.equal(w._scale_inv, ref.weight._scale_inv)
+    helpers.assert_states_equal(helpers.fp8_state_snapshot([ref]),
+                                helpers.fp8_state_snapshot([lin]))
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    outs = []
+    for m in (ref, lin):
+        xi = x.detach().clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            y = m(xi)
+        y.float().pow(2).mean().backward()
+        outs.append((y, xi.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_raw_data_moves_into_the_buffer_and_stays_there():
+    """``replace_raw_data``: the weight's value is kept, its bits live in the buffer from
+    then on (a write into the buffer is a write into the weight, and its cached transpose
+    goes stale), and wrong buffers or weight kinds are refused."""
+    from transformer_engine.pytorch.tensor import utils as tu
+
+    lin = _trained_bf16_linear(DelayedScaling(amax_history_len=4))
+    w = lin.weight
+    value, transpose = w.plain(), w._transpose
+    buffer = torch.zeros(w.numel(), dtype=torch.uint8)
+    tu.replace_raw_data(w, buffer.view(w.shape))
+    assert w._data.data_ptr() == buffer.data_ptr() and torch.equal(w.plain(), value)
+    assert w._transpose is transpose and not w._transpose_invalid
+    buffer[:32] = 0x38                      # E4M3 1.0: row 0 of the weight
+    assert torch.equal(w.plain()[0], torch.full((32,), float(w._scale_inv), dtype=w.dtype))
+    assert w._transpose_invalid
+    with pytest.raises(ValueError, match="data types of raw data don't match"):
+        tu.replace_raw_data(w, torch.zeros(w.numel(), dtype=torch.float32))
+    with pytest.raises(ValueError, match=f"contiguous tensor of {w.numel()} elements"):
+        tu.replace_raw_data(w, torch.zeros(w.numel() - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"end_offset \(1537\) exceeds model_weight numel"):
+        tu.quantize_master_weights([w], [torch.zeros(2)], [1535], None)
+    with pytest.raises(NotImplementedError, match="fsdp_shard_model_weights"):
+        tu.quantize_master_weights([w], [torch.zeros(2)], [0], None, [torch.zeros(2)])
+    with te.quantized_model_init(recipe=Float8BlockScaling()):
+        block = te.Linear(128, 128, device="cpu").weight
+    for call in (lambda: tu.replace_raw_data(block, torch.zeros(block.numel(), dtype=torch.uint8)),
+                 lambda: tu.quantize_master_weights([block], [None], [None], None),
+                 lambda: tu.post_all_gather_processing(block)):
+        with pytest.raises(NotImplementedError,
+                           match=r"Float8BlockwiseQTensor weights are not supported.*"
+                                 r"--fp8-param-gather.*per-tensor"):
+            call()
+    with pytest.raises(TypeError, match="tensor must be a Float8Tensor"):
+        tu.replace_raw_data(torch.zeros(4), torch.zeros(4, dtype=torch.uint8))

@@ -2,8 +2,8 @@
 package: it imports, reads the TE version this package claims and takes the branches
 that version selects, and its TE layer spec builds a TransformerLayer of this package's
 modules that runs on the CPU; the TE names it only references (fusible operations, fused
-router kernels, the FP8-parameter all-gather helpers) refuse to be used, naming the
-feature. Training a GPT: test_megatron_gpt.py and test_megatron_moe.py."""
+router kernels) refuse to be used, naming the feature, and its FP8-parameter all-gather
+helpers reach TE's tensor.utils. Training a GPT: test_megatron_gpt.py and test_megatron_moe.py."""
 
 import os
 import subprocess
@@ -18,6 +18,7 @@ from packaging.version import Version
 import transformer_engine
 import transformer_engine.pytorch as te
 from megatron_helpers import ClientTimeout, deadline, needs_megatron
+from transformer_engine.common.recipe import Float8BlockScaling
 from transformer_engine.pytorch import ops, router
 from transformer_engine.pytorch.tensor import QuantizedTensor
 
@@ -190,19 +191,37 @@ def test_te_rng_tracker_states_reach_megatron(megatron_on_cpu):
 
 
 @needs_megatron
-def test_fp8_param_gather_refuses_naming_the_feature(megatron_on_cpu):
-    """Megatron's FP8-parameter all-gather (``--fp8-param-gather``: the distributed
-    optimizer writes master-weight shards into FP8 weights through TE's
-    ``tensor.utils``) raises NotImplementedError naming it, on the TE >= 2.2 branch
-    Megatron takes; the FP8 weight is unchanged."""
+def test_fp8_param_gather_helpers_reach_te_tensor_utils(megatron_on_cpu):
+    """Megatron's FP8-parameter all-gather helpers (``--fp8-param-gather``, the TE >= 2.2
+    branch) run on this package's ``tensor.utils``: ``modify_underlying_storage`` moves
+    an FP8 weight's bits into the optimizer's uint8 buffer, ``quantize_param_shard``
+    casts a master shard into its slice with the module's scale, and the
+    ``post_all_gather_processing`` Megatron imported is TE's; block-scaled weights are
+    refused, naming the feature. Two ranks through the distributed optimizer:
+    test_megatron_optimizers.py."""
     from megatron.core import fp8_utils
+    from megatron.core.parallel_state import get_data_parallel_group
+    from transformer_engine.pytorch.tensor import utils as tensor_utils
 
+    assert fp8_utils.te_post_all_gather_processing is tensor_utils.post_all_gather_processing
     with te.quantized_model_init():
         layer = te.Linear(16, 16, device="cpu")
-    bits = layer.weight._data.clone()
-    with pytest.raises(NotImplementedError, match=r"replace_raw_data: .*--fp8-param-gather"):
-        fp8_utils.modify_underlying_storage(layer.weight, torch.zeros(256, dtype=torch.uint8))
+    w = layer.weight
+    bits = w._data.view(torch.uint8).clone()
+    buffer = torch.zeros(256, dtype=torch.uint8)
+    fp8_utils.modify_underlying_storage(w, buffer.view(16, 16))
+    assert w._data.data_ptr() == buffer.data_ptr() and torch.equal(buffer, bits.reshape(-1))
+    master = torch.randn(256) * 0.1
+    fp8_utils.quantize_param_shard([w], [master[64:]], [64], get_data_parallel_group())
+    fp8_utils.post_all_gather_processing([w])
+    scale = layer.fp8_meta["scaling_fwd"].scale[1]
+    cast = torch.clamp(master[64:] * scale, -448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(buffer[64:], cast.view(torch.uint8))
+    assert torch.equal(buffer[:64], bits.reshape(-1)[:64])
+    assert torch.equal(w._scale_inv, (1 / scale).reshape(1))
+    with te.quantized_model_init(recipe=Float8BlockScaling()):
+        block = te.Linear(128, 128, device="cpu").weight
     with pytest.raises(NotImplementedError,
-                       match=r"cast_master_weights_to_fp8: .*--fp8-param-gather"):
-        fp8_utils.quantize_param_shard([layer.weight], [torch.zeros(256)], [0], None)
-    assert torch.equal(layer.weight._data, bits)
+                       match=r"replace_raw_data: Float8BlockwiseQTensor weights are not "
+                             r"supported.*--fp8-param-gather"):
+        fp8_utils.modify_underlying_storage(block, torch.zeros(128, 128, dtype=torch.uint8))

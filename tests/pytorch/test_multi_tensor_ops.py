@@ -172,3 +172,34 @@ def test_triton_kernels_match_the_torch_ops_under_the_interpreter():
                           cwd=here, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("pow_2, epsilon", [(False, 0.0), (True, 0.0), (False, 100.0)])
+def test_compute_scale_and_scale_inv_against_float64(fp8_dtype, pow_2, epsilon):
+    """Current-scaling scales of many amaxes at once: ``max / max(amax, eps)`` in float64
+    rounded to float32 (exact: the quotient of two float32 rounds once), 1 for a zero or
+    infinite amax, the float32 maximum where the quotient overflows, the power of two at
+    or below it with ``pow_2``; ``scale_inv = 1 / scale``."""
+    max_fp8 = torch.finfo(fp8_dtype).max
+    gen = torch.Generator().manual_seed(3)
+    amaxes = [torch.rand(s, generator=gen) * 10 ** torch.randint(-6, 4, (s,), generator=gen)
+              for s in (5, 1, 33)]
+    amaxes[0][:3] = torch.tensor([0.0, float("inf"), 1e-40])
+    scales = [torch.empty_like(a) for a in amaxes]
+    scale_invs = [torch.empty_like(a) for a in amaxes]
+    noop = flag()
+    multi_tensor_applier(opt.multi_tensor_compute_scale_and_scale_inv, noop,
+                         [amaxes, scales, scale_invs], max_fp8, pow_2, epsilon)
+    for a, s, s_inv in zip(amaxes, scales, scale_invs):
+        a64 = a.double().clamp(min=epsilon)
+        want = (max_fp8 / a64).clamp(max=torch.finfo(F32).max)
+        want = torch.where((a64 > 0) & torch.isfinite(a64), want, torch.ones_like(want)).float()
+        if pow_2:
+            want = torch.exp2(torch.floor(torch.log2(want.double()))).float()
+        assert torch.equal(s, want), (a, s, want)
+        assert torch.equal(s_inv, torch.reciprocal(want))
+    assert noop.item() == 0
+    with pytest.raises(ValueError, match="max_fp8 must be an FP8 format's largest value"):
+        multi_tensor_applier(opt.multi_tensor_compute_scale_and_scale_inv, noop,
+                             [amaxes, scales, scale_invs], 100.0, False, 0.0)

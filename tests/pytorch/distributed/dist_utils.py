@@ -17,6 +17,7 @@ import socket
 import tempfile
 import time
 import traceback
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,11 +55,20 @@ def _entry(rank, worker, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
-def launch(worker, world_size: int, timeout_s: float = 120.0):
-    """Run ``worker(rank, world_size)`` on ``world_size`` gloo ranks; per-rank results."""
+def launch(worker, world_size: int, timeout_s: float = 120.0, preload: Sequence[str] = ()):
+    """Run ``worker(rank, world_size)`` on ``world_size`` gloo ranks; per-rank results.
+
+    ``preload``: modules slow to import (Megatron Core takes seconds) that the ranks
+    then share: they are imported once, by multiprocessing's fork server, from which
+    the ranks are forked. (Not forked from this process: after torch ran multi-threaded
+    here, a forked child hangs in its thread pools.)"""
+    start_method = "spawn"
+    if preload:
+        mp.set_forkserver_preload(list(preload))
+        start_method = "forkserver"
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_entry, args=(worker, world_size, _free_port(), out_dir),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                 nprocs=world_size, join=False, start_method=start_method)
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

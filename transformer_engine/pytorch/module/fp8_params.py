@@ -75,15 +75,30 @@ class DelayedWeightQuantizer(Float8Quantizing):
         self.index, self.fp8_dtype = index, fp8_dtype
 
     def quantize(self, x: torch.Tensor, record_amax: bool = True) -> Float8Data:
-        module = self._module()
-        if module is None:
-            raise RuntimeError("an FP8 primary weight cannot be written after its module is "
-                               "gone: its delayed-scaling scale lived in that module")
-        state = module.fp8_weight_state()
+        state = self._live_module().fp8_weight_state()
         q, _ = quantize.cast_transpose_unchecked(
             as_matrix(x), state.scale, self.fp8_dtype, self.index,
             state.amax_history if record_amax else None, True, False)
         return Float8Data(q.data.view(x.shape), q.scale_inv)
+
+    def _live_module(self):
+        module = self._module()
+        if module is None:
+            raise RuntimeError("an FP8 primary weight cannot be written after its module is "
+                               "gone: its delayed-scaling scale lived in that module")
+        return module
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """TE's attribute: the scale writes use, a one-element view into the module's
+        forward scales (slot ``index``)."""
+        return self._live_module().fp8_weight_state().cast_views(self.index)[0]
+
+    @property
+    def amax(self) -> torch.Tensor:
+        """TE's attribute: where writes record their amax, a one-element view of the
+        live row of the module's forward amax history (slot ``index``)."""
+        return self._live_module().fp8_weight_state().cast_views(self.index)[1].view(1)
 
     def _get_compatible_recipe(self):
         return DelayedScaling

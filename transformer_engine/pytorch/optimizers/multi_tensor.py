@@ -24,13 +24,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..kernel_config import get_kernel_config, load_kernels
-from ..quantize import _INTERPRETER, cast_to_fp8
+from ..quantize import _INTERPRETER, FP8_DTYPES, cast_to_fp8, current_scale, fp8_max
 
 __all__ = ["multi_tensor_scale", "multi_tensor_scale_tensor", "multi_tensor_l2norm",
            "multi_tensor_unscale_l2norm", "multi_tensor_adam",
            "multi_tensor_adam_param_remainder", "multi_tensor_adam_fp8",
            "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master",
-           "multi_tensor_sgd"]
+           "multi_tensor_sgd", "multi_tensor_compute_scale_and_scale_inv"]
 
 _kernels = None     # kernels.multi_tensor once imported; False where Triton is missing
 _SMALL = (torch.float32, torch.float16, torch.bfloat16)
@@ -397,3 +397,31 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
         torch._foreach_copy_(group[1], p)
         if len(group) == 4:
             torch._foreach_copy_(group[3], p)
+
+
+# ---- FP8 scales ---------------------------------------------------------------------
+
+def multi_tensor_compute_scale_and_scale_inv(chunk_size: int, noop_flag: torch.Tensor,
+                                             tensor_lists, max_fp8: float,
+                                             force_pow_2_scales: bool = False,
+                                             epsilon: float = 0.0):
+    """Current-scaling scales from amaxes, ``tensor_lists = [amaxes, scales, scale_invs]``
+    (float32, element by element): ``scale = max_fp8 / max(amax, epsilon)`` (1 where
+    that amax is 0 or not finite, at most the float32 maximum, rounded down to a power
+    of two with ``force_pow_2_scales``) and ``scale_inv = 1 / scale``, the arithmetic
+    of `quantize.current_scale`. ``max_fp8``: 448 (E4M3) or 57344 (E5M2)."""
+    name = "multi_tensor_compute_scale_and_scale_inv"
+    _check_lists(name, tensor_lists, (3,))
+    dtypes = {fp8_max(d): d for d in FP8_DTYPES}
+    if float(max_fp8) not in dtypes:
+        raise ValueError(f"{name}: max_fp8 must be an FP8 format's largest value "
+                         f"{sorted(dtypes)}, got {max_fp8}")
+    amaxes, scales, scale_invs = tensor_lists
+    if any(t.dtype != torch.float32 for lst in tensor_lists for t in lst):
+        raise TypeError(f"{name}: the amaxes, scales and scale_invs must be float32 tensors")
+    flat = torch.cat([a.reshape(-1) for a in amaxes])
+    scale = current_scale(flat, dtypes[float(max_fp8)], bool(force_pow_2_scales), float(epsilon))
+    pieces = scale.split([a.numel() for a in amaxes])
+    torch._foreach_copy_(scales, [p.view(s.shape) for p, s in zip(pieces, scales)])
+    inverses = torch.reciprocal(scale).split([a.numel() for a in amaxes])
+    torch._foreach_copy_(scale_invs, [p.view(s.shape) for p, s in zip(inverses, scale_invs)])

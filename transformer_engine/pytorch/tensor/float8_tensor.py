@@ -183,6 +183,19 @@ class Float8Tensor(QuantizedTensor):
         cache.version = version
         return Float8Data(cache.data, self._scale_inv)
 
+    def _reset_caches(self) -> None:
+        """TE's method: mark the cached transpose stale (its clients call it after
+        writing ``_data`` themselves); the next GEMM that needs it makes it again."""
+        self._transpose_invalid = True
+
+    def _create_transpose(self) -> None:
+        """TE's method: make the cached transpose from ``_data`` now (into its buffer
+        when there is one), as after an all-gather wrote ``_data``."""
+        if self._data.dim() != 2:
+            return
+        self._transpose_cache.version = None
+        self.transpose_operand()
+
     def plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         with torch.no_grad():
             return Float8Data(self._data, self._scale_inv).dequantize(dtype or self.dtype)
