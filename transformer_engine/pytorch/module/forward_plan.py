@@ -29,7 +29,8 @@ class ForwardPlan:
     (None, True or False; NOTE [FP8 weight cache] in fp8_operands.py). ``stash``: the
     recompute stash of this call (phase 1 fills its FP8 weights, the recompute reads
     them), else None. ``recomputing``: this call is a recompute. ``delayed``: the
-    recipe keeps delayed-scaling state (read on every cast, so decided once here).
+    recipe keeps delayed-scaling state and ``blockwise``: it scales blocks
+    (Float8BlockScaling, MXFP8, NVFP4; both read on every cast, so decided once here).
     ``skip_weight_update``: the device flag that picks the cached or a fresh FP8
     weight (NOTE [Skip-update flag] in fp8_operands.py), else None. ``fwd_state``: the
     forward scaling state the casts use (the live one, or a recompute's stash), for a
@@ -49,6 +50,7 @@ class ForwardPlan:
     stash: Any = None
     recomputing: bool = False
     delayed: bool = field(init=False)
+    blockwise: bool = field(init=False)
     skip_weight_update: Optional[torch.Tensor] = None
     fwd_state: Optional[ScalingState] = None
     traced: bool = False
@@ -58,7 +60,11 @@ class ForwardPlan:
     bwd_taken: Optional[dict] = None
 
     def __post_init__(self):
-        self.delayed = self.recipe is not None and self.recipe.delayed()
+        recipe = self.recipe
+        self.delayed = recipe is not None and recipe.delayed()
+        self.blockwise = (recipe is not None and not self.delayed
+                          and (recipe.float8_block_scaling() or recipe.mxfp8()
+                               or recipe.nvfp4()))
 
     def replaying(self) -> bool:
         """Whether a backward of this call runs now as part of the recompute that made

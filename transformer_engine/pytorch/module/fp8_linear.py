@@ -34,7 +34,7 @@ from .base import TransformerEngineBaseModule
 from .delayed_wgrad import accumulate_grad, deferred_linear
 from .devices import activation_dtype, no_autocast
 from .forward_plan import ForwardPlan
-from .fp8_operands import (block_cast_for_role, blockwise_recipe, cast_operand, fp8_weight,
+from .fp8_operands import (block_cast_for_role, cast_operand, fp8_weight,
                            forward_operands)
 from .main_grad import (accumulate_into_main_grad, check_main_grad, linear_into_main_grad,
                         main_grad_placeholder)
@@ -246,7 +246,7 @@ def _requantized_input(x: torch.Tensor, plan: ForwardPlan, dtype: torch.dtype):
     """The wgrad operand ``x_fp8^T`` cast again from the saved high-precision input
     (NOTE [Saving the original input]): the cast the forward would have made, no amax
     or non-finite count recorded a second time."""
-    if blockwise_recipe(plan.recipe):
+    if plan.blockwise:
         return block_cast_for_role(plan.recipe, "fwd_inp", x, dtype, False, True,
                                    count_non_finite=False)[1]
     q = plan.recipe.fp8_quant_fwd_inp
@@ -349,7 +349,7 @@ def fp8_linear(api: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # the block-scaling emulation takes any shape (NOTE [Block scaling layout])
     if (x2d.shape[0] % quantize.FP8_HEIGHT_MULTIPLE or in_features % quantize.FP8_WIDTH_MULTIPLE
             or out_features % quantize.FP8_HEIGHT_MULTIPLE) \
-            and not blockwise_recipe(plan.recipe):
+            and not plan.blockwise:
         quantize.check_fp8_matrix(api, input_name, x.shape)
         quantize.check_fp8_matrix(api, weight_name, weight.shape)
     if save_original_input and plan.delayed and torch.is_grad_enabled() \

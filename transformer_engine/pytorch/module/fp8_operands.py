@@ -95,7 +95,7 @@ def cast_operand(x: torch.Tensor, plan: ForwardPlan, state, index: int, dtype: t
     # a recompute counts no non-finite amax: its first forward did (NOTE [Non-finite amaxes])
     if count is None:
         count = not plan.recomputing
-    if blockwise_recipe(plan.recipe):
+    if plan.blockwise:
         return block_cast_for_role(plan.recipe, role, x, dtype, data, transpose,
                                    count_non_finite=count)
     q = getattr(plan.recipe, "fp8_quant_" + role)
@@ -172,7 +172,7 @@ def _flag_selected(weight: torch.Tensor, plan: ForwardPlan, state, index: int,
     """The cached cast, refreshed in place where the skip flag is 0 (NOTE [Skip-update
     flag]); the fresh cast's amax is recorded only there."""
     keep = plan.skip_weight_update.reshape(()).to(weight.device) != 0
-    if blockwise_recipe(plan.recipe):
+    if plan.blockwise:
         w, w_t = cached
         fresh, fresh_t = block_cast_for_role(plan.recipe, "fwd_weight", weight, dtype, True,
                                              w_t is not None, count_where=~keep,
