@@ -147,10 +147,10 @@ class _CudaOnCpu:
 
     class _Stream:
         def wait_event(self, event):
-            pass
+            """Nothing to wait for: the CPU runs ops in order."""
 
         def wait_stream(self, stream):
-            pass
+            """Nothing to wait for: the CPU runs ops in order."""
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
